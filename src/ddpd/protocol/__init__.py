@@ -1,0 +1,32 @@
+"""The protocol: every message type, the framing, the job spec and the state machines.
+
+This package imports nothing else of ddpd; the daemon, the worker and the client meet here.
+"""
+
+from __future__ import annotations
+
+from .errors import ErrorCode, RemoteError
+from .framing import MAX_FRAME, PROTOCOL_VERSION, Decoder, FrameError, LineSplitter, encode
+from .spec import BUILTIN_TASKS, JobSpec, SpecError, Timeouts, check_spec
+from .states import JobState, RankState, TransitionError, check_job_transition, check_rank_transition
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "MAX_FRAME",
+    "PROTOCOL_VERSION",
+    "Decoder",
+    "ErrorCode",
+    "FrameError",
+    "JobSpec",
+    "JobState",
+    "LineSplitter",
+    "RankState",
+    "RemoteError",
+    "SpecError",
+    "Timeouts",
+    "TransitionError",
+    "check_job_transition",
+    "check_rank_transition",
+    "check_spec",
+    "encode",
+]

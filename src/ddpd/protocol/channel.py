@@ -1,0 +1,104 @@
+"""Messages on the channel between the daemon and one worker (an inherited socketpair)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .spec import JobSpec
+
+Phase = Literal["store_connected", "joined", "training", "stopping", "done"]
+
+
+class _W(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+# worker -> daemon
+
+
+class Hello(_W, tag="hello"):
+    """First frame of every worker: who it is, and what it runs with."""
+
+    version: int
+    pid: int
+    python: str
+    torch: str | None = None
+
+
+class PhaseChanged(_W, tag="phase"):
+    phase: Phase
+    detail: str = ""
+
+
+class Heartbeat(_W, tag="hb"):
+    """Sent from a background thread; `step` shows progress, the frame itself liveness."""
+
+    step: int
+
+
+class Progress(_W, tag="progress"):
+    step: int
+    loss: float | None = None
+
+
+class Checkpointed(_W, tag="checkpointed"):
+    step: int
+    path: str
+
+
+class Result(_W, tag="result"):
+    """The rank finished its work; it exits 0 right after this frame."""
+
+    steps: int
+    loss: float | None = None
+    checksum: float | None = None
+    stopped_early: bool = False
+
+
+class Failure(_W, tag="failure"):
+    """The rank raised; it exits non-zero right after this frame."""
+
+    error: str
+    message: str
+    traceback: str
+    phase: str
+
+
+WorkerMessage = Hello | PhaseChanged | Heartbeat | Progress | Checkpointed | Result | Failure
+
+
+# daemon -> worker
+
+
+class Assign(_W, tag="assign"):
+    """Which rank of which attempt this interpreter becomes."""
+
+    job_id: str
+    attempt: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    store_host: str
+    store_port: int
+    spec: JobSpec
+    env: dict[str, str]
+    heartbeat_interval: float
+    join_timeout: float
+    checkpoint_dir: str
+    pgid: int = 0  # 0: already in the right group (cold spawn); else setpgid to it
+
+
+class Stop(_W, tag="stop"):
+    """Stop at the next step boundary, checkpoint, exit 0."""
+
+    reason: str = ""
+
+
+class DumpStacks(_W, tag="dump"):
+    pass
+
+
+DaemonMessage = Assign | Stop | DumpStacks

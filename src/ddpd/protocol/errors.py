@@ -1,0 +1,28 @@
+"""Stable error codes of the control protocol."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED_FRAME = "malformed_frame"
+    FRAME_TOO_LARGE = "frame_too_large"
+    BAD_MESSAGE = "bad_message"
+    UNKNOWN_OPERATION = "unknown_operation"
+    VERSION_MISMATCH = "version_mismatch"
+    BAD_SPEC = "bad_spec"
+    NOT_FOUND = "not_found"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_RUNNABLE = "not_runnable"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class RemoteError(Exception):
+    """An error reply from the daemon, raised on the client side."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

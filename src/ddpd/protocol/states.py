@@ -1,0 +1,90 @@
+"""Job and rank state machines: the states and every legal transition, in one place."""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobState(enum.StrEnum):
+    """State of a job.
+
+    QUEUED -> STARTING | CANCELLED | FAILED
+    STARTING -> RUNNING | RESTARTING | FAILED | CANCELLED | TIMED_OUT
+    RUNNING -> SUCCEEDED | RESTARTING | FAILED | CANCELLED | TIMED_OUT
+    RESTARTING -> STARTING | FAILED | CANCELLED
+    SUCCEEDED, FAILED, CANCELLED, TIMED_OUT are final.
+    Any non-final state may go back to QUEUED when the daemon requeues it on recovery.
+    """
+
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+
+    @property
+    def final(self) -> bool:
+        return self in _FINAL_JOB
+
+
+_FINAL_JOB = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT})
+
+_JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED, JobState.FAILED}),
+    JobState.STARTING: frozenset(
+        {JobState.RUNNING, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT,
+         JobState.QUEUED}
+    ),
+    JobState.RUNNING: frozenset(
+        {JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT,
+         JobState.QUEUED}
+    ),
+    JobState.RESTARTING: frozenset({JobState.STARTING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+    JobState.TIMED_OUT: frozenset(),
+}
+
+
+class RankState(enum.StrEnum):
+    """State of one rank of one attempt.
+
+    SPAWNED -> CONNECTED -> STORE_CONNECTED -> JOINED -> TRAINING -> EXITED;
+    any state may go straight to EXITED (the process ended), and TRAINING
+    repeats as the step counter advances.
+    """
+
+    SPAWNED = "SPAWNED"
+    CONNECTED = "CONNECTED"
+    STORE_CONNECTED = "STORE_CONNECTED"
+    JOINED = "JOINED"
+    TRAINING = "TRAINING"
+    EXITED = "EXITED"
+
+
+_RANK_ORDER = list(RankState)
+
+
+class TransitionError(ValueError):
+    pass
+
+
+def check_job_transition(old: JobState, new: JobState) -> JobState:
+    if new not in _JOB_TRANSITIONS[old]:
+        raise TransitionError(f"illegal job transition {old} -> {new}")
+    return new
+
+
+def check_rank_transition(old: RankState, new: RankState) -> RankState:
+    """Rank states only move forward (skipping is allowed: a rank may die early)."""
+    if old is RankState.EXITED:
+        raise TransitionError(f"illegal rank transition {old} -> {new}")
+    if new is RankState.TRAINING and old is RankState.TRAINING:
+        return new
+    if _RANK_ORDER.index(new) <= _RANK_ORDER.index(old):
+        raise TransitionError(f"illegal rank transition {old} -> {new}")
+    return new
