@@ -1,0 +1,177 @@
+"""Process bootstrap: pdeathsig, faulthandler, the reader and heartbeat threads, and the exit path.
+
+The worker never returns through the interpreter's shutdown: it sends its Result or Failure,
+flushes stdout/stderr and leaves with ``os._exit`` (C++ static destructors after
+``destroy_process_group`` sometimes abort with "terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import faulthandler
+import importlib
+import os
+import platform
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ddpd.protocol.channel import Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
+from ddpd.protocol.framing import PROTOCOL_VERSION
+
+from . import api
+from .runtime import Channel, Runtime
+
+PR_SET_PDEATHSIG = 1
+EXIT_ORPHANED = 70
+
+# Modules that DistributedDataParallel's constructor imports lazily (measured on torch 2.13: about
+# 1 s of a cold start); a warm-pool interpreter imports them before its hello.
+POOL_IMPORTS = (
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "torch.distributed.algorithms._comm_hooks",
+    "torch.distributed._composable.replicate",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.nn",
+    "torch.utils.data.distributed",
+    "torch.profiler",
+)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ddpd.worker")
+    parser.add_argument("--fd", type=int, required=True, help="inherited AF_UNIX socket to the daemon")
+    parser.add_argument("--parent", type=int, required=True, help="the daemon's pid")
+    parser.add_argument("--pool", action="store_true", help="warm-pool interpreter: pre-import DDP")
+    return parser.parse_args(argv)
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` when the parent (the daemon) dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
+    """The reader thread: dispatch daemon frames until EOF, then kill the process group."""
+    why = "channel closed"
+    try:
+        for message in runtime.channel.frames():
+            match message:
+                case Assign():
+                    assignments.put(message)
+                case Stop():
+                    runtime.stop_requested.set()
+                case DumpStacks():
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except OSError as exc:
+        why = f"channel error: {exc}"
+    runtime.channel.daemon_gone(why)
+
+
+def send_heartbeats(runtime: Runtime, interval: float) -> None:
+    """The heartbeat thread: a Heartbeat carrying the step counter every `interval` seconds."""
+    while True:
+        runtime.send(Heartbeat(step=runtime.step))
+        time.sleep(interval)
+
+
+def apply_assignment(assign: Assign) -> None:
+    """Join the attempt's process group, take its environment and working directory."""
+    if assign.pgid > 0 and os.getpgrp() != assign.pgid:
+        os.setpgid(0, assign.pgid)
+    os.environ.update(assign.env)
+    if assign.spec.workdir:
+        os.chdir(assign.spec.workdir)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(max(1, int(threads)))
+
+
+def run(runtime: Runtime, assign: Assign) -> Result:
+    if assign.spec.script is not None:
+        from .script import run_script
+
+        return run_script(runtime, assign)
+    from .loop import run_task
+
+    return run_task(runtime, assign)
+
+
+def finish(runtime: Runtime, code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def fail(runtime: Runtime, exc: BaseException, code: int) -> NoReturn:
+    text = "".join(traceback.format_exception(exc))
+    print(text, file=sys.stderr, end="", flush=True)
+    runtime.send(Failure(error=type(exc).__name__, message=str(exc), traceback=text, phase=runtime.phase))
+    finish(runtime, code)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    args = parse_args(argv)
+    set_pdeathsig()
+    if os.getppid() != args.parent:
+        os._exit(EXIT_ORPHANED)
+    daemon_pgid = os.getpgid(args.parent)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    import torch
+
+    if args.pool:
+        for name in POOL_IMPORTS:
+            importlib.import_module(name)
+
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(True)
+    runtime = Runtime(Channel(sock, daemon_pgid))
+    api.bind(runtime)
+    assignments: queue.Queue[Assign] = queue.Queue()
+    threading.Thread(target=read_daemon, args=(runtime, assignments), name="ddpd-reader", daemon=True).start()
+    runtime.send(Hello(version=PROTOCOL_VERSION, pid=os.getpid(), python=platform.python_version(),
+                       torch=str(torch.__version__)))
+
+    assign = assignments.get()
+    try:
+        apply_assignment(assign)
+    except BaseException as exc:
+        fail(runtime, exc, 1)
+    threading.Thread(target=send_heartbeats, args=(runtime, assign.heartbeat_interval),
+                     name="ddpd-heartbeat", daemon=True).start()
+    result: Any
+    try:
+        result = run(runtime, assign)
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            result = Result(steps=runtime.step, loss=runtime.loss)
+        else:
+            code = (exc.code & 0xFF or 1) if isinstance(exc.code, int) else 1
+            if not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+            fail(runtime, exc, code)
+    except BaseException as exc:
+        fail(runtime, exc, 1)
+    runtime.phase = "done"
+    runtime.send(result)
+    finish(runtime, 0)

@@ -1,0 +1,166 @@
+"""The built-in DDP training loop (task mode).
+
+Order: resolve the device, build the task (before any rendezvous, so a task that hangs here is
+a rank that never joins), connect to the attempt's TCPStore, ``init_process_group``, wrap the
+model in DistributedDataParallel, resume from the last checkpoint, train with a per-step stop
+vote, and finish with the parameter checksum and ``destroy_process_group``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpd.protocol.channel import Assign, Checkpointed, PhaseChanged, Progress, Result
+from ddpd.protocol.spec import JobSpec
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .runtime import Runtime
+from .tasks import Task, TaskContext, default_forward, resolve_factory, to_device
+
+
+def resolve_device(spec: JobSpec, local_rank: int) -> Any:
+    """CUDA when asked for (or `auto` with GPUs given or visible), else CPU."""
+    if spec.device == "auto":
+        visible = spec.gpus_per_rank > 0 or "CUDA_VISIBLE_DEVICES" in os.environ
+        use_cuda = visible and torch.cuda.is_available()
+    else:
+        use_cuda = spec.device == "cuda"
+    if not use_cuda:
+        return torch.device("cpu")
+    if spec.gpus_per_rank > 0:  # the daemon gave this rank its own CUDA_VISIBLE_DEVICES
+        return torch.device("cuda", 0)
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def resolve_backend(spec: JobSpec, device: Any) -> str:
+    if spec.backend != "auto":
+        return spec.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def run_task(runtime: Runtime, assign: Assign) -> Result:
+    spec = assign.spec
+    device = resolve_device(spec, assign.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = TaskContext(rank=assign.rank, world_size=assign.world_size, local_rank=assign.local_rank,
+                      device=device, steps=spec.steps, seed=spec.seed, options=dict(spec.options))
+    task = resolve_factory(spec.task or "two-layer", spec.workdir)(ctx)
+    connect(runtime, assign, resolve_backend(spec, device))
+    return train(runtime, assign, task, ctx)
+
+
+def connect(runtime: Runtime, assign: Assign, backend: str) -> None:
+    """Connect to the daemon's store, then join the process group; each reported as a phase."""
+    timeout = timedelta(seconds=assign.join_timeout)
+    store = dist.TCPStore(assign.store_host, assign.store_port, assign.world_size,
+                          is_master=False, timeout=timeout)
+    set_phase(runtime, "store_connected")
+    dist.init_process_group(backend, store=store, rank=assign.rank, world_size=assign.world_size,
+                            timeout=timeout)
+    set_phase(runtime, "joined")
+
+
+def set_phase(runtime: Runtime, phase: Any) -> None:
+    runtime.phase = phase
+    runtime.send(PhaseChanged(phase=phase))
+
+
+def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Result:
+    spec, device = assign.spec, ctx.device
+    accumulate = max(1, int(ctx.options.get("accumulate", 1)))
+    lr = float(ctx.options.get("lr", 0.01))
+    model = task.model.to(device)
+    optimizer = (task.optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
+    start = load_checkpoint(assign.checkpoint_dir, model, optimizer, device)
+    saved = start
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    forward = task.forward or default_forward
+    autocast: Any = contextlib.nullcontext
+    if device.type == "cuda" and ctx.options.get("bf16"):
+        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    data = batch_source(task, ctx, start * accumulate)
+    vote_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    runtime.step = start
+    set_phase(runtime, "training")
+    step, stopped = start, False
+    while step < spec.steps:
+        if agree_to_stop(runtime, vote_device):
+            stopped = True
+            break
+        step += 1
+        if task.on_step is not None:
+            task.on_step(step)
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device)
+        for micro in range(accumulate):
+            batch = next(data)
+            sync = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
+            with sync:
+                with autocast():
+                    loss = task.loss(forward(ddp, batch), batch)
+                (loss / accumulate).backward()
+            total += loss.detach().float()
+        optimizer.step()
+        runtime.loss = total.item() / accumulate
+        runtime.step = step
+        runtime.send(Progress(step=step, loss=runtime.loss))
+        if spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0:
+            saved = checkpoint(runtime, assign, model, optimizer, step)
+
+    if stopped:
+        set_phase(runtime, "stopping")
+        if saved != step:
+            checkpoint(runtime, assign, model, optimizer, step)
+    checksum = sum(p.detach().double().sum().item() for p in ddp.module.parameters())
+    dist.destroy_process_group()
+    return Result(steps=step, loss=runtime.loss, checksum=checksum, stopped_early=stopped)
+
+
+def agree_to_stop(runtime: Runtime, device: Any) -> bool:
+    """All ranks vote (all_reduce MAX): one rank asked to stop stops them all at the same step."""
+    flag = torch.tensor([1 if runtime.stop_requested.is_set() else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, step: int) -> int:
+    """Rank 0 writes the checkpoint (if the attempt has a checkpoint directory) and reports it."""
+    if assign.rank == 0 and assign.checkpoint_dir:
+        path = save_checkpoint(assign.checkpoint_dir, model, optimizer, step)
+        runtime.send(Checkpointed(step=step, path=path))
+    return step
+
+
+def batch_source(task: Task, ctx: TaskContext, first: int) -> Iterator[Any]:
+    """Micro-batches from micro-batch index `first` on, on the rank's device."""
+    if task.batches is not None:
+        index = first
+        while True:
+            yield to_device(task.batches(index), ctx.device)
+            index += 1
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(task.dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+                                 shuffle=True, seed=ctx.seed, drop_last=True)
+    loader = DataLoader(task.dataset, batch_size=task.batch_size, sampler=sampler, drop_last=True,
+                        pin_memory=ctx.device.type == "cuda")
+    per_epoch = len(loader)
+    if per_epoch == 0:
+        raise ValueError("the task's dataset is too small for one batch per rank")
+    epoch = first // per_epoch
+    while True:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            yield to_device(batch, ctx.device)
+        epoch += 1

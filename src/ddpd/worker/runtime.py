@@ -1,0 +1,84 @@
+"""The channel to the daemon and the state shared by the worker's threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from typing import NoReturn
+
+from ddpd.protocol.channel import DaemonMessage, WorkerMessage
+from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
+
+EXIT_DAEMON_GONE = 71
+
+
+class Channel:
+    """The inherited socket to the daemon; every thread sends through `send` (one lock)."""
+
+    def __init__(self, sock: socket.socket, daemon_pgid: int) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._daemon_pgid = daemon_pgid
+
+    def send(self, message: WorkerMessage) -> None:
+        data = encode(message)
+        with self._lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as exc:
+                self.daemon_gone(f"send failed: {exc}")
+
+    def frames(self) -> Iterator[DaemonMessage]:
+        """Daemon messages as they arrive; a bad frame is reported and skipped; ends at EOF."""
+        splitter = LineSplitter()
+        decoder: Decoder[DaemonMessage] = Decoder(DaemonMessage)
+        while True:
+            data = self._sock.recv(65536)
+            if not data:
+                return
+            for line in splitter.feed(data):
+                try:
+                    yield decoder.decode_frame(line)
+                except FrameError as exc:
+                    print(f"ddpd worker: ignoring bad frame from daemon: {exc}", file=sys.stderr, flush=True)
+
+    def daemon_gone(self, why: str) -> NoReturn:
+        """The daemon is gone: kill this worker's process group (its peers and children too).
+
+        The group is never signalled when it is the daemon's own (a worker not yet moved to an
+        attempt's group): then only this process exits.
+        """
+        try:
+            print(f"ddpd worker {os.getpid()}: daemon gone ({why}); killing process group",
+                  file=sys.stderr, flush=True)
+        except Exception:
+            pass
+        pgrp = os.getpgrp()
+        if pgrp != self._daemon_pgid:
+            try:
+                os.killpg(pgrp, signal.SIGKILL)
+            except OSError:
+                pass
+        os._exit(EXIT_DAEMON_GONE)
+
+
+class Runtime:
+    """What the main, heartbeat and reader threads share.
+
+    `step` and `loss` are written by the main thread only (plain attribute writes are atomic
+    under the GIL) and read by the heartbeat thread; `phase` names where a failure happened.
+    """
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.stop_requested = threading.Event()
+        self.step = 0
+        self.loss: float | None = None
+        self.phase = "starting"
+
+    def send(self, message: WorkerMessage) -> None:
+        self.channel.send(message)

@@ -1,0 +1,88 @@
+"""Task factories for tests, importable as ``tests.tasks:<factory>`` with the repo root on sys.path.
+
+Each builds on the built-in ``two-layer`` task and injects its fault through the Task
+interface (the factory itself, the ``on_step`` hook or the ``batches`` callable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ddpd.worker.tasks import Task, TaskContext, two_layer
+
+_children: list[subprocess.Popen[bytes]] = []
+
+
+def _targets(ctx: TaskContext) -> bool:
+    return ctx.rank == int(ctx.options.get("rank", 0))
+
+
+def _slowed(task: Task, seconds: float) -> Task:
+    batches = task.batches
+    assert batches is not None
+
+    def slow_batches(index: int) -> Any:
+        time.sleep(seconds)
+        return batches(index)
+
+    return dataclasses.replace(task, batches=slow_batches)
+
+
+def hang_before_join(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` never returns from the factory, so it never joins."""
+    if _targets(ctx):
+        threading.Event().wait()
+    return two_layer(ctx)
+
+
+def hang_in_training(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` blocks forever in Python at step `options["at_step"]`."""
+    at_step = int(ctx.options.get("at_step", 3))
+    task = two_layer(ctx)
+    if not _targets(ctx):
+        return task
+
+    def on_step(step: int) -> None:
+        if step == at_step:
+            threading.Event().wait()
+
+    return dataclasses.replace(task, on_step=on_step)
+
+
+def fail_at_step(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` raises RuntimeError("injected failure") at step `options["at_step"]`."""
+    at_step = int(ctx.options.get("at_step", 3))
+    task = two_layer(ctx)
+    if not _targets(ctx):
+        return task
+
+    def on_step(step: int) -> None:
+        if step == at_step:
+            raise RuntimeError("injected failure")
+
+    return dataclasses.replace(task, on_step=on_step)
+
+
+def slow(ctx: TaskContext) -> Task:
+    """two-layer with `options["step_sleep"]` seconds (0.05) of sleep per step."""
+    return _slowed(two_layer(ctx), float(ctx.options.get("step_sleep", 0.05)))
+
+
+def ignore_sigterm(ctx: TaskContext) -> Task:
+    """Ignores SIGTERM (only SIGKILL ends it), then trains slowly."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return slow(ctx)
+
+
+def spawn_children(ctx: TaskContext) -> Task:
+    """Starts `sleep 1000` in its group and a setsid() escapee, then trains slowly."""
+    _children.append(subprocess.Popen(["sleep", "1000"]))
+    _children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"],
+                                      start_new_session=True))
+    return slow(ctx)

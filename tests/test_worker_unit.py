@@ -1,0 +1,307 @@
+"""The worker without the daemon: a real `python -m ddpd.worker` over a socketpair, a real TCPStore."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ddpd.protocol import Decoder, JobSpec, LineSplitter, encode
+from ddpd.protocol.channel import (
+    Assign,
+    Checkpointed,
+    DumpStacks,
+    Failure,
+    Heartbeat,
+    Hello,
+    PhaseChanged,
+    Progress,
+    Result,
+    Stop,
+    WorkerMessage,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 60.0  # bound on any one wait (a cold `import torch` on a busy CI box takes seconds)
+
+
+class Store:
+    """The attempt's TCPStore server on a socket bound here, as the daemon hosts it."""
+
+    def __init__(self, world_size: int) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port: int = self.sock.getsockname()[1]
+        self.store = dist.TCPStore("127.0.0.1", self.port, world_size, is_master=True,
+                                   master_listen_fd=self.sock.fileno(), wait_for_workers=False,
+                                   timeout=timedelta(seconds=TIMEOUT))
+
+
+class Worker:
+    """One worker process and our end of its channel."""
+
+    def __init__(self, log: Path, *extra: str, parent: int | None = None) -> None:
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        self.log = log
+        self.splitter = LineSplitter()
+        self.decoder: Decoder[WorkerMessage] = Decoder(WorkerMessage)
+        self.pending: list[WorkerMessage] = []
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ddpd.worker", "--fd", str(theirs.fileno()),
+                 "--parent", str(os.getpid() if parent is None else parent), *extra],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                cwd=REPO, process_group=0,
+            )
+        theirs.close()
+
+    def send(self, message: Any) -> None:
+        self.sock.sendall(encode(message))
+
+    def recv(self, deadline: float) -> WorkerMessage | None:
+        """The next frame; None at EOF; TimeoutError past `deadline` (time.monotonic)."""
+        while not self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError(f"no frame from worker; log:\n{self.log.read_text()}")
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.pending += [self.decoder.decode_frame(line) for line in self.splitter.feed(data)]
+        return self.pending.pop(0)
+
+    def until(self, kind: type[Any] | tuple[type[Any], ...], timeout: float = TIMEOUT) -> list[WorkerMessage]:
+        """Frames up to and including the first of `kind` (heartbeats included)."""
+        deadline = time.monotonic() + timeout
+        seen: list[WorkerMessage] = []
+        while True:
+            message = self.recv(deadline)
+            if message is None:
+                log = self.log.read_text()
+                raise AssertionError(f"channel closed before {kind}; saw {seen}; log:\n{log}")
+            seen.append(message)
+            if isinstance(message, kind):
+                return seen
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        """Reap the worker and check that its whole process group is gone."""
+        code = self.proc.wait(timeout)
+        with pytest.raises(ProcessLookupError):
+            os.kill(self.proc.pid, 0)
+        assert live_members(self.proc.pid) == []
+        self.sock.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(TIMEOUT)
+        self.sock.close()
+
+
+def live_members(pgid: int) -> list[int]:
+    """Pids of non-zombie processes in process group `pgid` (read from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Any]:
+    workers: list[Worker] = []
+
+    def make(*extra: str, parent: int | None = None) -> Worker:
+        worker = Worker(tmp_path / f"rank{len(workers)}.log", *extra, parent=parent)
+        workers.append(worker)
+        return worker
+
+    yield make
+    for worker in workers:
+        worker.kill()
+
+
+def assignment(rank: int, world: int, store: Store, spec: JobSpec, ckpt: Path | None = None,
+               pgid: int = 0) -> Assign:
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "OMP_NUM_THREADS": "1"}
+    return Assign(job_id="job1", attempt=1, rank=rank, world_size=world, local_rank=rank,
+                  local_world_size=world, store_host="127.0.0.1", store_port=store.port, spec=spec, env=env,
+                  heartbeat_interval=0.2, join_timeout=TIMEOUT, checkpoint_dir=str(ckpt) if ckpt else "",
+                  pgid=pgid)
+
+
+def of(kind: type[Any], messages: list[WorkerMessage]) -> list[Any]:
+    return [m for m in messages if isinstance(m, kind)]
+
+
+def test_single_rank_hello_phases_progress_result(spawn: Any) -> None:
+    worker = spawn("--pool")
+    hello = worker.until(Hello)[-1]
+    assert isinstance(hello, Hello)
+    assert hello.pid == worker.proc.pid
+    assert hello.torch
+    store = Store(1)
+    worker.send(assignment(0, 1, store, JobSpec(task="two-layer", steps=5), pgid=worker.proc.pid))
+    frames = worker.until(Result)
+    phases = [m.phase for m in of(PhaseChanged, frames)]
+    assert phases == ["store_connected", "joined", "training"]
+    assert [m.step for m in of(Progress, frames)] == [1, 2, 3, 4, 5]
+    result = frames[-1]
+    assert isinstance(result, Result)
+    assert result.steps == 5
+    assert result.checksum is not None
+    assert not result.stopped_early
+    assert worker.wait() == 0
+
+
+def test_two_ranks_train_to_identical_checksums(spawn: Any) -> None:
+    """Rank 1 joins rank 0's process group (pool-style pgid) and both end with equal parameters."""
+    workers = [spawn(), spawn()]
+    for w in workers:
+        w.until(Hello)
+    store = Store(2)
+    spec = JobSpec(task="two-layer", steps=20, seed=3)
+    workers[0].send(assignment(0, 2, store, spec))
+    workers[1].send(assignment(1, 2, store, spec, pgid=workers[0].proc.pid))
+    results = []
+    for w in workers:
+        frames = w.until(Result)
+        assert [m.step for m in of(Progress, frames)] == list(range(1, 21))
+        results.append(frames[-1])
+    assert os.getpgid(workers[1].proc.pid) == workers[0].proc.pid
+    assert results[0].checksum == results[1].checksum
+    assert [w.proc.wait(TIMEOUT) for w in workers] == [0, 0]
+    for w in workers:
+        w.wait()
+
+
+def test_closed_channel_kills_the_worker(spawn: Any) -> None:
+    worker = spawn()
+    worker.until(Hello)
+    worker.sock.shutdown(socket.SHUT_RDWR)
+    assert worker.wait() == -signal.SIGKILL
+
+
+def test_closed_channel_during_training_kills_the_group(spawn: Any) -> None:
+    worker = spawn()
+    worker.until(Hello)
+    store = Store(1)
+    spec = JobSpec(task="tests.tasks:slow", steps=10_000, options={"step_sleep": 0.01})
+    worker.send(assignment(0, 1, store, spec))
+    frames = worker.until(Progress)
+    worker.until(Heartbeat)
+    assert of(PhaseChanged, frames)[-1].phase == "training"
+    worker.sock.shutdown(socket.SHUT_RDWR)
+    assert worker.wait() == -signal.SIGKILL
+
+
+def test_wrong_parent_exits_at_once(spawn: Any) -> None:
+    worker = spawn(parent=1)
+    assert worker.wait() == 70
+
+
+def test_failure_carries_traceback_and_phase(spawn: Any) -> None:
+    worker = spawn()
+    worker.until(Hello)
+    store = Store(1)
+    spec = JobSpec(task="tests.tasks:fail_at_step", steps=10, options={"rank": 0, "at_step": 3})
+    worker.send(assignment(0, 1, store, spec))
+    frames = worker.until(Failure)
+    failure = frames[-1]
+    assert isinstance(failure, Failure)
+    assert (failure.error, failure.message, failure.phase) == ("RuntimeError", "injected failure", "training")
+    assert "fail_at_step" in failure.traceback or "on_step" in failure.traceback
+    assert [m.step for m in of(Progress, frames)] == [1, 2]
+    assert worker.wait() == 1
+    assert "injected failure" in worker.log.read_text()
+
+
+def test_stop_checkpoints_and_the_next_attempt_resumes(spawn: Any, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    spec = JobSpec(task="tests.tasks:slow", steps=10_000, options={"step_sleep": 0.01})
+    worker = spawn()
+    worker.until(Hello)
+    store = Store(1)  # kept referenced: the server lives as long as the Python object
+    worker.send(assignment(0, 1, store, spec, ckpt))
+    worker.until(Progress)
+    worker.send(DumpStacks())
+    worker.send(Stop(reason="test"))
+    frames = worker.until(Result)
+    result = frames[-1]
+    assert isinstance(result, Result)
+    assert result.stopped_early
+    saved = of(Checkpointed, frames)
+    assert saved
+    assert saved[-1].step == result.steps
+    assert Path(saved[-1].path) == ckpt / "checkpoint.pt"
+    assert of(PhaseChanged, frames)[-1].phase == "stopping"
+    assert worker.wait() == 0
+    assert "Thread" in worker.log.read_text()  # faulthandler's dump, written on DumpStacks
+
+    again = spawn()
+    again.until(Hello)
+    resume = JobSpec(task="two-layer", steps=result.steps + 2)
+    store = Store(1)  # a new store per attempt
+    again.send(assignment(0, 1, store, resume, ckpt))
+    frames = again.until(Result)
+    assert [m.step for m in of(Progress, frames)] == [result.steps + 1, result.steps + 2]
+    assert again.wait() == 0
+
+
+SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from ddpd.worker import api
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+api.report(1, loss=float(t.item()))
+assert sys.argv[1:] == ["--flag", "x"], sys.argv
+sys.exit(0)
+"""
+
+
+def test_script_mode_reports_join_progress_and_result(spawn: Any, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    worker = spawn()
+    worker.until(Hello)
+    store = Store(1)
+    message = assignment(0, 1, store, JobSpec(script=[str(script), "--flag", "x"]))
+    message.env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    worker.send(message)
+    frames = worker.until((Result, Failure))
+    assert isinstance(frames[-1], Result), frames[-1]
+    assert [m.phase for m in of(PhaseChanged, frames)] == ["store_connected", "joined", "training"]
+    assert frames[-1].steps == 1
+    assert frames[-1].loss == 1.0
+    assert worker.wait() == 0
