@@ -1,0 +1,1 @@
+"""The ddpd daemon: control server, scheduler, job supervisors, rendezvous and state."""

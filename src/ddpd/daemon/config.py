@@ -1,0 +1,91 @@
+"""Daemon configuration: built-in defaults, then the TOML file, then command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..protocol.paths import daemon_socket_path, daemon_state_dir
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Daemon-wide defaults for each job-spec timeout, in seconds (wall None: unlimited)."""
+
+    join: float = 120.0
+    heartbeat: float = 10.0
+    progress: float = 600.0
+    wall: float | None = None
+    kill_grace: float = 5.0
+    stop_warning: float = 30.0
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: Path = field(default_factory=daemon_socket_path)
+    state_dir: Path = field(default_factory=daemon_state_dir)
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    store_host: str = "127.0.0.1"
+    port_range: tuple[int, int] | None = None  # None: an ephemeral port per attempt
+    heartbeat_interval: float = 1.0
+    cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
+    gpus: int | None = None  # None: ask torch at start
+    pool_size: int = 0
+    max_running: int = 64
+    log_level: str = "info"
+    log_format: str = "auto"  # auto | json | console
+    defaults: Defaults = field(default_factory=Defaults)
+    config_file: Path | None = None
+
+    def with_overrides(self, **kw: Any) -> Config:
+        return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+_TOP_KEYS = {f.name for f in dataclasses.fields(Config)} - {"defaults", "config_file"}
+_DEFAULT_KEYS = {f.name for f in dataclasses.fields(Defaults)}
+
+
+def load_config(path: Path | None, **overrides: Any) -> Config:
+    """Read the TOML file (if any) and apply flag overrides; unknown keys are errors."""
+    cfg = Config()
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        cfg = _apply(cfg, data, str(path))
+        cfg = dataclasses.replace(cfg, config_file=path)
+    return cfg.with_overrides(**overrides)
+
+
+def _apply(cfg: Config, data: dict[str, Any], where: str) -> Config:
+    kw: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "defaults":
+            if not isinstance(value, dict) or set(value) - _DEFAULT_KEYS:
+                raise ConfigError(f"{where}: [defaults] accepts {sorted(_DEFAULT_KEYS)}")
+            kw["defaults"] = dataclasses.replace(cfg.defaults, **value)
+        elif key in _TOP_KEYS:
+            if key in ("socket", "state_dir"):
+                value = Path(value)
+            elif key == "port_range":
+                if not (isinstance(value, list) and len(value) == 2 and 0 < value[0] <= value[1] < 65536):
+                    raise ConfigError(f"{where}: port_range must be [first, last] within 1..65535")
+                value = (int(value[0]), int(value[1]))
+            elif key == "socket_mode" and isinstance(value, str):
+                value = int(value, 8)
+            kw[key] = value
+        else:
+            raise ConfigError(f"{where}: unknown key {key!r}")
+    return dataclasses.replace(cfg, **kw)

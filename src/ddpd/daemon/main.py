@@ -1,0 +1,92 @@
+"""`ddpd`: the daemon's command line (`ddpd serve`, `ddpd health`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..protocol.paths import client_socket_path
+from .config import ConfigError, load_config
+
+
+def _port_range(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        first, _, last = value.partition("-")
+        lo, hi = int(first), int(last or first)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not PORT or FIRST-LAST") from None
+    if not 0 < lo <= hi < 65536:
+        raise click.BadParameter(f"{value!r} is not within 1-65535")
+    return lo, hi
+
+
+@click.group()
+@click.version_option(package_name="ddpd")
+def main() -> None:
+    """ddpd: launch and supervise PyTorch DDP jobs."""
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), help="control socket path")
+@click.option("--state-dir", type=click.Path(path_type=Path), help="jobs, logs and the SQLite database")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), envvar="DDPD_CONFIG",
+              help="TOML config file")
+@click.option("--port-range", help="rendezvous ports, FIRST-LAST (default: ephemeral)")
+@click.option("--store-host", help="address the rendezvous store binds (default 127.0.0.1)")
+@click.option("--gpus", type=int, help="number of GPUs to schedule (default: what torch finds)")
+@click.option("--cpu-slots", type=int, help="CPU ranks that may run at once (default: cores)")
+@click.option("--heartbeat-interval", type=float, help="seconds between worker heartbeats")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-format", type=click.Choice(["auto", "json", "console"]))
+def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | None, port_range: str | None,
+          store_host: str | None, gpus: int | None, cpu_slots: int | None, heartbeat_interval: float | None,
+          log_level: str | None, log_format: str | None) -> None:
+    """Run the daemon in the foreground."""
+    from .app import run
+
+    overrides = {
+        "socket": socket_path.absolute() if socket_path else None,
+        "state_dir": state_dir.absolute() if state_dir else None,
+        "port_range": _port_range(port_range),
+        "store_host": store_host,
+        "gpus": gpus,
+        "cpu_slots": cpu_slots,
+        "heartbeat_interval": heartbeat_interval,
+        "log_level": log_level,
+        "log_format": log_format,
+    }
+    try:
+        config = load_config(config_file, **overrides)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        run(config, overrides)
+    except OSError as exc:
+        click.echo(f"ddpd: error: {exc}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), envvar="DDPD_SOCKET")
+def health(socket_path: Path | None) -> None:
+    """Exit 0 when the daemon answers a ping (for probes)."""
+    import socket as _socket
+
+    path = socket_path or client_socket_path()
+    try:
+        with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(str(path))
+            sock.sendall(b'{"op":"ping","id":1}\n')
+            reply = sock.makefile("rb").readline()
+    except OSError as exc:
+        click.echo(f"unhealthy: {path}: {exc}", err=True)
+        sys.exit(1)
+    if b'"pong"' not in reply:
+        click.echo(f"unhealthy: unexpected reply {reply!r}", err=True)
+        sys.exit(1)
+    click.echo("ok")

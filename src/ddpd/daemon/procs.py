@@ -1,0 +1,185 @@
+"""Processes: spawn into a process group, wait on pidfds, signal groups, and read /proc."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_child_subreaper() -> bool:
+    """Make this process the reaper of orphaned descendants (so escaped grandchildren are found)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except OSError:
+        return False
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIG{signum}"
+
+
+@dataclass
+class Exit:
+    """How a process ended: an exit code, or the signal that killed it."""
+
+    code: int | None
+    signal: str | None
+
+    @classmethod
+    def from_returncode(cls, rc: int) -> Exit:
+        return cls(None, signal_name(-rc)) if rc < 0 else cls(rc, None)
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+    def __str__(self) -> str:
+        return f"signal {self.signal}" if self.signal else f"exit code {self.code}"
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: str,
+    log_path: Path,
+    pass_fds: Sequence[int],
+    process_group: int,
+) -> subprocess.Popen[bytes]:
+    """Start a fresh interpreter with stdin /dev/null and stdout+stderr appended to `log_path`.
+
+    `process_group` 0 makes the child the leader of a new group; a pgid joins that group.
+    """
+    with open(log_path, "ab", buffering=0) as log:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            pass_fds=tuple(pass_fds),
+            process_group=process_group,
+            close_fds=True,
+        )
+
+
+async def wait_exit(proc: subprocess.Popen[bytes]) -> Exit:
+    """Wait for a child without polling: a pidfd becomes readable when it exits."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        return Exit.from_returncode(proc.wait())
+    try:
+        while proc.poll() is None:
+            await anyio.wait_readable(fd)
+        assert proc.returncode is not None
+        return Exit.from_returncode(proc.returncode)
+    finally:
+        os.close(fd)
+
+
+async def wait_gone(pid: int) -> None:
+    """Wait until a process that is not (necessarily) our child has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+def kill_group(pgid: int, signum: int) -> bool:
+    """Signal a whole process group; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    start_time: int  # clock ticks since boot
+
+
+def proc_info(pid: int) -> ProcInfo | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name is in parentheses and may contain spaces: split after the last ')'
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return ProcInfo(pid=pid, ppid=int(rest[1]), pgid=int(rest[2]), state=rest[0], start_time=int(rest[19]))
+
+
+def proc_environ_has(pid: int, marker: bytes) -> bool:
+    try:
+        data = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    return marker in data.split(b"\0")
+
+
+def all_pids() -> Iterable[int]:
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+def find_members(pgid: int | None, marker: bytes | None) -> list[ProcInfo]:
+    """Processes in the group, or carrying the attempt's environment marker (escaped descendants)."""
+    found: list[ProcInfo] = []
+    me = os.getpid()
+    for pid in all_pids():
+        if pid == me:
+            continue
+        info = proc_info(pid)
+        if info is None:
+            continue
+        if (pgid is not None and info.pgid == pgid) or (marker is not None and proc_environ_has(pid, marker)):
+            found.append(info)
+    return found
+
+
+def reap_zombie_children(exclude: set[int]) -> list[int]:
+    """Reap orphans that were reparented to us (we are a subreaper), leaving tracked children alone."""
+    reaped: list[int] = []
+    me = os.getpid()
+    for pid in all_pids():
+        if pid in exclude:
+            continue
+        info = proc_info(pid)
+        if info is None or info.ppid != me or info.state != "Z":
+            continue
+        try:
+            os.waitpid(pid, os.WNOHANG)
+            reaped.append(pid)
+        except ChildProcessError:
+            pass
+        except OSError as exc:  # pragma: no cover - defensive
+            if exc.errno != errno.ECHILD:
+                raise
+    return reaped

@@ -1,0 +1,520 @@
+"""One attempt of one job: rendezvous, spawn, watch every rank, decide, tear down.
+
+Everything here is driven by events: frames on a rank's channel, a rank's pidfd turning
+readable, and one timer that sleeps until the earliest deadline. Teardown always runs,
+shielded, and ends only when no process of the attempt is left.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from ..protocol import FrameError, JobState, RankState
+from ..protocol.channel import (
+    Assign,
+    Checkpointed,
+    DumpStacks,
+    Failure,
+    Heartbeat,
+    Hello,
+    PhaseChanged,
+    Progress,
+    Result,
+    Stop,
+)
+from ..protocol.control import RootCause
+from . import procs
+from .channel import WorkerChannel
+from .config import Config
+from .jobs import Job, Journal, Rank, job_dir
+from .rendezvous import Rendezvous, RendezvousError, open_rendezvous
+from .rootcause import Evidence, pick_root_cause
+
+log = structlog.get_logger("ddpd")
+
+UNKILLABLE_WAIT = 5.0  # after SIGKILL: how long to wait before reporting a process as unkillable
+STACK_DUMP_WAIT = 1.0
+
+
+@dataclass
+class Outcome:
+    state: JobState
+    reason: str
+    root_cause: RootCause | None = None
+    hang: bool = False  # dump stacks before teardown
+    graceful: bool = False  # ask ranks to stop at a step boundary first
+
+
+@dataclass
+class Handle:
+    rank: Rank
+    proc: subprocess.Popen[bytes]
+    channel: WorkerChannel
+    exited: anyio.Event = field(default_factory=anyio.Event)
+    reader_done: anyio.Event = field(default_factory=anyio.Event)
+    exit: procs.Exit | None = None
+    result: Result | None = None
+    failure: Failure | None = None
+    failed_at: float | None = None
+    state_at_failure: str | None = None
+    signals_before_exit: frozenset[str] = frozenset()
+    last_progress_event: float = 0.0
+
+
+def boot_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+class Attempt:
+    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any]) -> None:
+        self.config = config
+        self.journal = journal
+        self.job = job
+        self.number = number
+        self.timeouts = timeouts
+        self.handles: list[Handle] = []
+        self.pgid: int | None = None
+        self.token = secrets.token_hex(8)
+        self.marker = f"DDPD_ATTEMPT={job.id}:{number}:{self.token}"
+        self.outcome: Outcome | None = None
+        self._concluded = anyio.Event()
+        self._signals_sent: set[str] = set()
+        self._started = time.monotonic()
+        self._start_ticks = boot_ticks()
+        self.dir = job_dir(config.state_dir, job.id) / f"attempt-{number}"
+        self.checkpoint_dir = job_dir(config.state_dir, job.id) / "checkpoints"
+        self.log = log.bind(job_id=job.id, attempt=number)
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def conclude(self, outcome: Outcome) -> None:
+        """The first conclusion wins; later ones (collateral) are ignored."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self._concluded.set()
+
+    def request_cancel(self, reason: str, force: bool) -> None:
+        self.conclude(Outcome(JobState.CANCELLED, reason, graceful=not force))
+        if force:
+            self._signal_group(signal.SIGKILL)
+
+    def request_shutdown(self) -> None:
+        """The daemon is stopping: stop at a step boundary (checkpoint) and go back to the queue."""
+        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+
+    def force(self) -> None:
+        """A second stop signal: no more grace."""
+        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown"))
+        self._signal_group(signal.SIGKILL)
+
+    # -- the attempt -----------------------------------------------------------------------
+
+    async def run(self) -> Outcome:
+        job = self.job
+        try:
+            rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
+        except RendezvousError as exc:
+            return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
+        job.store_port = rdzv.port
+        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port)
+        try:
+            async with anyio.create_task_group() as tg:
+                try:
+                    await self._spawn_all(tg, rdzv)
+                    tg.start_soon(self._timers)
+                    await self._concluded.wait()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        if self.outcome is None:  # cancelled from outside: the daemon is stopping
+                            self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+                        await self._teardown()
+                        tg.cancel_scope.cancel()
+        finally:
+            for h in self.handles:
+                h.channel.close()
+            rdzv.close()
+        assert self.outcome is not None
+        return self._finish_outcome(self.outcome)
+
+    def _finish_outcome(self, outcome: Outcome) -> Outcome:
+        if outcome.state is JobState.FAILED and outcome.root_cause is None:
+            outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
+        return outcome
+
+    def _evidence(self) -> list[Evidence]:
+        return [
+            Evidence(
+                rank=h.rank.rank,
+                state=h.state_at_failure or h.rank.state.value,
+                exit=h.exit,
+                failure=h.failure,
+                failed_at=h.failed_at,
+                signals_sent_before_exit=h.signals_before_exit,
+            )
+            for h in self.handles
+        ]
+
+    # -- spawning --------------------------------------------------------------------------
+
+    def _env(self, rank: int, rdzv: Rendezvous) -> dict[str, str]:
+        spec = self.job.spec
+        n = spec.nproc
+        env = dict(os.environ)
+        for key in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            env.pop(key, None)
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(n),
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default",
+                "ROLE_WORLD_SIZE": str(n),
+                "MASTER_ADDR": rdzv.host,
+                "MASTER_PORT": str(rdzv.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": str(self.number - 1),
+                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                "TORCHELASTIC_RUN_ID": self.job.id,
+                "DDPD_JOB_ID": self.job.id,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env["DDPD_ATTEMPT"] = self.marker.split("=", 1)[1]
+        if self.job.gpus:
+            per = spec.gpus_per_rank
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.job.gpus[rank * per : (rank + 1) * per])
+        if "OMP_NUM_THREADS" not in spec.env:
+            env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
+        env.update(spec.env)
+        return env
+
+    async def _spawn_all(self, tg: anyio.abc.TaskGroup, rdzv: Rendezvous) -> None:
+        job = self.job
+        await anyio.to_thread.run_sync(lambda: self.dir.mkdir(parents=True, exist_ok=True))
+        await anyio.to_thread.run_sync(lambda: self.checkpoint_dir.mkdir(parents=True, exist_ok=True))
+        cwd = job.spec.workdir or str(job_dir(self.config.state_dir, job.id))
+        for r in range(job.spec.nproc):
+            if self.outcome is not None:
+                return
+            env = self._env(r, rdzv)
+            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            log_path = self.dir / f"rank-{r}.log"
+            argv = [sys.executable, "-m", "ddpd.worker", "--fd", str(child_end.fileno()), "--parent", str(os.getpid())]
+            try:
+                proc = procs.spawn(
+                    argv, env=env, cwd=cwd, log_path=log_path, pass_fds=[child_end.fileno()],
+                    process_group=self.pgid or 0,
+                )
+            except OSError as exc:
+                parent_end.close()
+                child_end.close()
+                self.conclude(Outcome(JobState.FAILED, "spawn_failed",
+                                      RootCause(reason="spawn_failed", rank=r, attempt=self.number,
+                                                detail=f"cannot start rank {r}: {exc}")))
+                return
+            child_end.close()
+            if self.pgid is None:
+                self.pgid = proc.pid
+            rank = Rank(rank=r, attempt=self.number, pid=proc.pid, pgid=self.pgid, log=str(log_path))
+            job.ranks.append(rank)
+            handle = Handle(rank=rank, proc=proc, channel=WorkerChannel(parent_end))
+            self.handles.append(handle)
+            await self.journal.save_rank(job, rank)
+            await self.journal.event(job, "rank.spawned", rank=r, pid=proc.pid, pgid=self.pgid, log=str(log_path))
+            tg.start_soon(self._read, handle, rdzv)
+            tg.start_soon(self._watch_exit, handle)
+        await self.journal.db.upsert(
+            "attempts",
+            ("job_id", "attempt"),
+            {"job_id": job.id, "attempt": self.number, "pgid": self.pgid, "store_port": rdzv.port,
+             "token": self.token, "started_at": time.time()},
+        )
+
+    # -- per-rank watchers -----------------------------------------------------------------
+
+    def _fail(self, h: Handle) -> None:
+        if h.failed_at is None:
+            h.failed_at = time.monotonic()
+            h.state_at_failure = h.rank.state.value
+
+    async def _read(self, h: Handle, rdzv: Rendezvous) -> None:
+        rank = h.rank
+        job = self.job
+        try:
+            async for msg in h.channel.frames():
+                now = time.monotonic()
+                rank.last_frame = now
+                match msg:
+                    case Heartbeat(step=step):
+                        if step != rank.step:
+                            rank.step = step
+                            rank.last_step_change = now
+                    case Progress(step=step, loss=loss):
+                        rank.step, rank.loss, rank.last_step_change = step, loss, now
+                        if rank.state is RankState.JOINED:
+                            await self.journal.rank_state(job, rank, RankState.TRAINING)
+                        if now - h.last_progress_event >= 0.2:
+                            h.last_progress_event = now
+                            await self.journal.event(job, "rank.progress", rank=rank.rank, persist=False,
+                                                     step=step, loss=loss)
+                    case Hello(pid=pid, version=version, torch=torch_version):
+                        await self.journal.rank_state(job, rank, RankState.CONNECTED, "rank.connected",
+                                                      worker_pid=pid, protocol=version, torch=torch_version)
+                        await h.channel.send(self._assign(rank, rdzv))
+                    case PhaseChanged(phase="store_connected"):
+                        await self.journal.rank_state(job, rank, RankState.STORE_CONNECTED, "rank.store_connected")
+                    case PhaseChanged(phase="joined"):
+                        rank.last_step_change = now
+                        await self.journal.rank_state(job, rank, RankState.JOINED, "rank.joined",
+                                                      seconds=round(now - rank.spawned_at, 3))
+                        if all(r.state in (RankState.JOINED, RankState.TRAINING) for r in job.ranks) and (
+                            len(job.ranks) == job.spec.nproc and job.state is JobState.STARTING
+                        ):
+                            await self.journal.job_state(job, JobState.RUNNING, "all ranks joined")
+                    case PhaseChanged(phase="training"):
+                        if rank.state is RankState.JOINED:
+                            await self.journal.rank_state(job, rank, RankState.TRAINING)
+                    case PhaseChanged():
+                        pass
+                    case Checkpointed(step=step, path=path):
+                        await self.journal.event(job, "job.checkpointed", rank=rank.rank, step=step, path=path)
+                    case Result() as result:
+                        h.result = result
+                        rank.step = result.steps
+                        rank.loss = result.loss if result.loss is not None else rank.loss
+                        rank.checksum = result.checksum
+                        await self.journal.event(job, "rank.result", rank=rank.rank, steps=result.steps,
+                                                 loss=result.loss, checksum=result.checksum,
+                                                 stopped_early=result.stopped_early)
+                    case Failure() as failure:
+                        h.failure = failure
+                        self._fail(h)
+                        await self.journal.event(job, "rank.failed", rank=rank.rank, error=failure.error,
+                                                 message=failure.message, phase=failure.phase,
+                                                 traceback=failure.traceback)
+                        self.conclude(Outcome(JobState.FAILED, "rank_failed"))
+        except FrameError as exc:
+            self._fail(h)
+            await self.journal.event(job, "rank.protocol_error", rank=rank.rank, code=exc.code, message=exc.message)
+            self.conclude(Outcome(JobState.FAILED, "protocol_error",
+                                  RootCause(reason="protocol_error", rank=rank.rank, attempt=self.number,
+                                            phase=rank.state.value, detail=exc.message)))
+        finally:
+            h.reader_done.set()
+
+    def _assign(self, rank: Rank, rdzv: Rendezvous) -> Assign:
+        spec = self.job.spec
+        return Assign(
+            job_id=self.job.id,
+            attempt=self.number,
+            rank=rank.rank,
+            world_size=spec.nproc,
+            local_rank=rank.rank,
+            local_world_size=spec.nproc,
+            store_host=rdzv.host,
+            store_port=rdzv.port,
+            spec=spec,
+            env={k: v for k, v in self._env(rank.rank, rdzv).items() if k not in os.environ or
+                 os.environ[k] != v},
+            heartbeat_interval=self.config.heartbeat_interval,
+            join_timeout=float(self.timeouts["join"]),
+            checkpoint_dir=str(self.checkpoint_dir),
+        )
+
+    async def _watch_exit(self, h: Handle) -> None:
+        exit_ = await procs.wait_exit(h.proc)
+        h.signals_before_exit = frozenset(self._signals_sent)
+        with anyio.move_on_after(1.0):  # frames sent just before exiting (the result) are read first
+            await h.reader_done.wait()
+        h.exit = exit_
+        rank = h.rank
+        rank.exit_code, rank.signal = exit_.code, exit_.signal
+        if not exit_.ok:
+            self._fail(h)
+        await self.journal.rank_state(self.job, rank, RankState.EXITED, "rank.exited",
+                                      exit_code=exit_.code, signal=exit_.signal)
+        h.exited.set()
+        if not exit_.ok:
+            self.conclude(Outcome(JobState.FAILED, "rank_failed"))
+        elif all(x.exit is not None and x.exit.ok for x in self.handles) and len(self.handles) == self.job.spec.nproc:
+            stopped = any(x.result is not None and x.result.stopped_early for x in self.handles)
+            if stopped and self.job.cancel_requested:
+                self.conclude(Outcome(JobState.CANCELLED, self.job.cancel_requested))
+            else:
+                self.conclude(Outcome(JobState.SUCCEEDED, "all ranks succeeded"))
+
+    # -- deadlines -------------------------------------------------------------------------
+
+    def _check_deadlines(self, now: float) -> tuple[float | None, Outcome | None]:
+        """The earliest pending deadline, or the outcome of one that has passed."""
+        t = self.timeouts
+        deadlines: list[float] = []
+        live = [h for h in self.handles if h.exit is None]
+        joined = (RankState.JOINED, RankState.TRAINING, RankState.EXITED)
+        pending = [h for h in live if h.rank.state not in joined]
+        if pending or len(self.handles) < self.job.spec.nproc:
+            at = self._started + t["join"]
+            if now >= at:
+                ranks = [h.rank.rank for h in pending]
+                detail = "; ".join(f"rank {h.rank.rank} never joined (reached {h.rank.state.value})" for h in pending)
+                return None, Outcome(JobState.TIMED_OUT, "join_timeout",
+                                     RootCause(reason="join_timeout", attempt=self.number, ranks=ranks,
+                                               rank=ranks[0] if ranks else None,
+                                               phase=pending[0].rank.state.value if pending else None,
+                                               detail=detail), hang=True)
+            deadlines.append(at)
+        for h in live:
+            if h.rank.last_frame is not None:
+                at = h.rank.last_frame + t["heartbeat"]
+                if now >= at:
+                    return None, Outcome(JobState.TIMED_OUT, "heartbeat_timeout",
+                                         RootCause(reason="heartbeat_timeout", attempt=self.number,
+                                                   rank=h.rank.rank, phase=h.rank.state.value,
+                                                   detail=f"rank {h.rank.rank} sent nothing for "
+                                                          f"{now - h.rank.last_frame:.1f}s"), hang=True)
+                deadlines.append(at)
+        stalled = [h for h in live if h.rank.state in joined and h.rank.last_step_change is not None]
+        if stalled:
+            low = min(h.rank.step for h in stalled)
+            at = min((h.rank.last_step_change or 0.0) + t["progress"] for h in stalled)
+            if now >= at:
+                stuck = [h.rank.rank for h in stalled if (h.rank.last_step_change or 0.0) + t["progress"] <= now]
+                return None, Outcome(JobState.TIMED_OUT, "progress_timeout",
+                                     RootCause(reason="progress_timeout", attempt=self.number, ranks=stuck,
+                                               rank=stuck[0], phase=RankState.TRAINING.value,
+                                               detail=f"step counter of rank(s) {stuck} frozen at {low} for "
+                                                      f"{t['progress']:.0f}s"), hang=True)
+            deadlines.append(at)
+        if t.get("wall") is not None and self.job.started_at is not None:
+            at = self._started + t["wall"] - (time.time() - self.job.started_at - (now - self._started))
+            if now >= at:
+                return None, Outcome(JobState.TIMED_OUT, "wall_time",
+                                     RootCause(reason="wall_time", attempt=self.number,
+                                               detail=f"wall time of {t['wall']:.0f}s reached"))
+            deadlines.append(at)
+        return (min(deadlines) if deadlines else None), None
+
+    async def _timers(self) -> None:
+        while self.outcome is None:
+            now = time.monotonic()
+            next_at, outcome = self._check_deadlines(now)
+            if outcome is not None:
+                self.conclude(outcome)
+                return
+            # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it)
+            await anyio.sleep(max(0.01, (next_at - now) if next_at is not None else 1.0))
+
+    # -- teardown --------------------------------------------------------------------------
+
+    def _live(self) -> list[Handle]:
+        return [h for h in self.handles if not h.exited.is_set()]
+
+    async def _wait_all_exited(self, timeout: float) -> bool:
+        with anyio.move_on_after(timeout):
+            for h in self.handles:
+                await h.exited.wait()
+            return True
+        return False
+
+    def _signal_group(self, signum: signal.Signals) -> None:
+        self._signals_sent.add(signum.name)
+        if self.pgid is not None:
+            procs.kill_group(self.pgid, signum)
+
+    async def _dump_stacks(self) -> None:
+        live = self._live()
+        sizes = {h.rank.rank: _size(h.rank.log) for h in live}
+        for h in live:
+            try:
+                os.kill(h.proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+            await h.channel.send(DumpStacks())
+        deadline = time.monotonic() + STACK_DUMP_WAIT
+        # bounded: faulthandler writes from its signal handler and answers nothing, so watch the logs grow
+        while time.monotonic() < deadline and any(_size(h.rank.log) <= sizes[h.rank.rank] for h in live):  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+        dumped = [h.rank.rank for h in live if _size(h.rank.log) > sizes[h.rank.rank]]
+        for h in live:
+            h.rank.stack_dump = h.rank.rank in dumped
+            await self.journal.save_rank(self.job, h.rank)
+        await self.journal.event(self.job, "job.stacks_dumped", ranks=dumped,
+                                 logs={str(h.rank.rank): h.rank.log for h in live})
+
+    async def _teardown(self) -> None:
+        assert self.outcome is not None
+        outcome = self.outcome
+        grace = float(self.timeouts["kill_grace"])
+        t0 = time.monotonic()
+        if self._live() and outcome.graceful:
+            for h in self._live():
+                await h.channel.send(Stop(reason=outcome.reason))
+            await self.journal.event(self.job, "job.stop_requested", reason=outcome.reason, grace=grace)
+            await self._wait_all_exited(grace)
+        if self._live() and outcome.hang:
+            await self._dump_stacks()
+        if self._live():
+            await self.journal.event(self.job, "job.teardown", signal="SIGTERM", grace=grace,
+                                     pgid=self.pgid, reason=outcome.reason)
+            self._signal_group(signal.SIGTERM)
+            if not await self._wait_all_exited(grace):
+                await self.journal.event(self.job, "job.teardown", signal="SIGKILL", pgid=self.pgid,
+                                         ranks=[h.rank.rank for h in self._live()])
+                self._signal_group(signal.SIGKILL)
+                if not await self._wait_all_exited(UNKILLABLE_WAIT):
+                    for h in self._live():
+                        info = procs.proc_info(h.proc.pid)
+                        await self.journal.event(self.job, "rank.unkillable", rank=h.rank.rank, pid=h.proc.pid,
+                                                 proc_state=info.state if info else "?")
+        await self._kill_leftovers()
+        await self.journal.event(self.job, "job.torn_down", seconds=round(time.monotonic() - t0, 3),
+                                 reason=outcome.reason)
+
+    async def _kill_leftovers(self) -> None:
+        """Descendants still alive (in the group, or escaped with setsid but carrying the marker)."""
+        marker = self.marker.encode()
+        tracked = {h.proc.pid for h in self.handles if not h.exited.is_set()}
+        members = await anyio.to_thread.run_sync(procs.find_members, self.pgid, marker)
+        leftovers = [
+            p for p in members
+            if p.pid not in tracked and p.state != "Z" and (
+                procs.proc_environ_has(p.pid, marker) or p.start_time >= self._start_ticks
+            )
+        ]
+        for p in leftovers:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if leftovers:
+            with anyio.move_on_after(UNKILLABLE_WAIT):
+                for p in leftovers:
+                    procs.reap_zombie_children({h.proc.pid for h in self.handles})
+                    await procs.wait_gone(p.pid)
+            await self.journal.event(self.job, "job.leftover_killed", pids=[p.pid for p in leftovers])
+        procs.reap_zombie_children({h.proc.pid for h in self.handles})
+
+
+def _size(path: str | None) -> int:
+    if path is None:
+        return 0
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
