@@ -86,3 +86,17 @@ def spawn_children(ctx: TaskContext) -> Task:
     _children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"],
                                       start_new_session=True))
     return slow(ctx)
+
+
+def regression(ctx: TaskContext) -> Task:
+    """A linear regression over a TensorDataset: exercises the DataLoader/DistributedSampler path."""
+    import torch
+
+    torch.manual_seed(ctx.seed)
+    gen = torch.Generator().manual_seed(ctx.seed)
+    x = torch.randn(64, 4, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    mse = torch.nn.MSELoss()
+    return Task(model=torch.nn.Linear(4, 1), loss=lambda out, batch: mse(out, batch[1]),
+                dataset=torch.utils.data.TensorDataset(x, y), batch_size=8,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.05))

@@ -305,3 +305,43 @@ def test_script_mode_reports_join_progress_and_result(spawn: Any, tmp_path: Path
     assert frames[-1].steps == 1
     assert frames[-1].loss == 1.0
     assert worker.wait() == 0
+
+
+def test_dataset_task_with_gradient_accumulation(spawn: Any) -> None:
+    workers = [spawn(), spawn()]
+    for w in workers:
+        w.until(Hello)
+    store = Store(2)
+    spec = JobSpec(task="tests.tasks:regression", steps=12, options={"accumulate": 2, "bf16": True})
+    for rank, w in enumerate(workers):
+        w.send(assignment(rank, 2, store, spec))
+    frames = [w.until(Result) for w in workers]
+    assert frames[0][-1].checksum == frames[1][-1].checksum
+    losses = [m.loss for m in of(Progress, frames[0])]
+    assert len(losses) == 12
+    assert losses[-1] < losses[0]  # it learns
+    assert [w.wait() for w in workers] == [0, 0]
+
+
+def test_stuck_rank_heartbeats_dumps_stacks_and_dies_with_its_group(spawn: Any) -> None:
+    """A rank stuck in Python keeps heartbeating with a frozen step; its stack dump shows where it is;
+    when its channel closes, its whole process group (its peer too) is killed."""
+    workers = [spawn(), spawn()]
+    for w in workers:
+        w.until(Hello)
+    store = Store(2)
+    spec = JobSpec(task="tests.tasks:hang_in_training", steps=100, options={"rank": 1, "at_step": 3})
+    workers[0].send(assignment(0, 2, store, spec))
+    workers[1].send(assignment(1, 2, store, spec, pgid=workers[0].proc.pid))
+    frames = workers[1].until(Progress)
+    while not (isinstance(frames[-1], Progress) and frames[-1].step == 2):
+        frames = workers[1].until(Progress)
+    beats = [workers[1].until(Heartbeat)[-1] for _ in range(2)]
+    assert [b.step for b in beats if isinstance(b, Heartbeat)] == [2, 2]
+    workers[1].send(DumpStacks())
+    workers[1].sock.shutdown(socket.SHUT_WR)  # the reader handles the dump, then sees EOF
+    assert workers[1].proc.wait(TIMEOUT) == -signal.SIGKILL
+    assert workers[0].proc.wait(TIMEOUT) == -signal.SIGKILL
+    for w in workers:
+        w.wait()
+    assert "in on_step" in workers[1].log.read_text()
