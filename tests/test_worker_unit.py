@@ -168,6 +168,7 @@ def test_single_rank_hello_phases_progress_result(spawn: Any) -> None:
     assert hello.pid == worker.proc.pid
     assert hello.torch
     store = Store(1)
+    worker.sock.sendall(b'{"type": "nonsense"}\nnot json\n')  # reported in the log and skipped
     worker.send(assignment(0, 1, store, JobSpec(task="two-layer", steps=5), pgid=worker.proc.pid))
     frames = worker.until(Result)
     phases = [m.phase for m in of(PhaseChanged, frames)]
@@ -179,6 +180,7 @@ def test_single_rank_hello_phases_progress_result(spawn: Any) -> None:
     assert result.checksum is not None
     assert not result.stopped_early
     assert worker.wait() == 0
+    assert "ignoring bad frame" in worker.log.read_text()
 
 
 def test_two_ranks_train_to_identical_checksums(spawn: Any) -> None:

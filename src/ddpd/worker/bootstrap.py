@@ -76,8 +76,8 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
                     runtime.stop_requested.set()
                 case DumpStacks():
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    except OSError as exc:
-        why = f"channel error: {exc}"
+    except Exception as exc:  # OSError, or a bug: either way nobody listens to the daemon any more
+        why = f"channel error: {exc!r}"
     runtime.channel.daemon_gone(why)
 
 

@@ -40,11 +40,16 @@ class Channel:
             data = self._sock.recv(65536)
             if not data:
                 return
-            for line in splitter.feed(data):
+            try:
+                lines = splitter.feed(data)
+            except FrameError as exc:
+                _bad_frame(exc)
+                continue
+            for line in lines:
                 try:
                     yield decoder.decode_frame(line)
                 except FrameError as exc:
-                    print(f"ddpd worker: ignoring bad frame from daemon: {exc}", file=sys.stderr, flush=True)
+                    _bad_frame(exc)
 
     def daemon_gone(self, why: str) -> NoReturn:
         """The daemon is gone: kill this worker's process group (its peers and children too).
@@ -64,6 +69,10 @@ class Channel:
             except OSError:
                 pass
         os._exit(EXIT_DAEMON_GONE)
+
+
+def _bad_frame(exc: FrameError) -> None:
+    print(f"ddpd worker: ignoring bad frame from daemon: {exc}", file=sys.stderr, flush=True)
 
 
 class Runtime:
