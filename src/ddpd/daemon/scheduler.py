@@ -158,6 +158,10 @@ class Scheduler:
         try:
             with structlog.contextvars.bound_contextvars(job_id=job.id):
                 await self._attempts(job)
+        except Exception as exc:  # a bug in one job's supervision must not take the daemon down
+            log.exception("job.internal_error", job_id=job.id)
+            with anyio.CancelScope(shield=True):
+                await self._fail_internal(job, exc)
         finally:
             self.resources.give_back(job.spec, job.gpus)
             job.gpus = []
@@ -194,6 +198,16 @@ class Scheduler:
             await self.journal.job_state(job, outcome.state, outcome.reason, root_cause=_rc(outcome))
             await self._finished_event(job)
             return
+
+    async def _fail_internal(self, job: Job, exc: Exception) -> None:
+        from ..protocol.control import RootCause
+
+        if job.state.final:
+            return
+        job.root_cause = RootCause(reason="internal_error", attempt=job.attempt, detail=repr(exc))
+        job.state = JobState.RUNNING if job.state is JobState.QUEUED else job.state
+        await self.journal.job_state(job, JobState.FAILED, "internal_error")
+        await self._finished_event(job)
 
     async def _finished_event(self, job: Job) -> None:
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)

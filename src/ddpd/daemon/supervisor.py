@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import structlog
 
-from ..protocol import FrameError, JobState, RankState
+from ..protocol import FrameError, JobState, RankState, TransitionError
 from ..protocol.channel import (
     Assign,
     Checkpointed,
@@ -309,12 +309,13 @@ class Attempt:
                                                  message=failure.message, phase=failure.phase,
                                                  traceback=failure.traceback)
                         self.conclude(Outcome(JobState.FAILED, "rank_failed"))
-        except FrameError as exc:
+        except (FrameError, TransitionError) as exc:
+            message = exc.message if isinstance(exc, FrameError) else f"out-of-order frame: {exc}"
             self._fail(h)
-            await self.journal.event(job, "rank.protocol_error", rank=rank.rank, code=exc.code, message=exc.message)
+            await self.journal.event(job, "rank.protocol_error", rank=rank.rank, message=message)
             self.conclude(Outcome(JobState.FAILED, "protocol_error",
                                   RootCause(reason="protocol_error", rank=rank.rank, attempt=self.number,
-                                            phase=rank.state.value, detail=exc.message)))
+                                            phase=rank.state.value, detail=message)))
         finally:
             h.reader_done.set()
 
@@ -347,9 +348,9 @@ class Attempt:
         rank.exit_code, rank.signal = exit_.code, exit_.signal
         if not exit_.ok:
             self._fail(h)
+        h.exited.set()
         await self.journal.rank_state(self.job, rank, RankState.EXITED, "rank.exited",
                                       exit_code=exit_.code, signal=exit_.signal)
-        h.exited.set()
         if not exit_.ok:
             self.conclude(Outcome(JobState.FAILED, "rank_failed"))
         elif all(x.exit is not None and x.exit.ok for x in self.handles) and len(self.handles) == self.job.spec.nproc:
@@ -371,13 +372,7 @@ class Attempt:
         if pending or len(self.handles) < self.job.spec.nproc:
             at = self._started + t["join"]
             if now >= at:
-                ranks = [h.rank.rank for h in pending]
-                detail = "; ".join(f"rank {h.rank.rank} never joined (reached {h.rank.state.value})" for h in pending)
-                return None, Outcome(JobState.TIMED_OUT, "join_timeout",
-                                     RootCause(reason="join_timeout", attempt=self.number, ranks=ranks,
-                                               rank=ranks[0] if ranks else None,
-                                               phase=pending[0].rank.state.value if pending else None,
-                                               detail=detail), hang=True)
+                return None, self._join_timeout(pending)
             deadlines.append(at)
         for h in live:
             if h.rank.last_frame is not None:
@@ -409,6 +404,25 @@ class Attempt:
                                                detail=f"wall time of {t['wall']:.0f}s reached"))
             deadlines.append(at)
         return (min(deadlines) if deadlines else None), None
+
+    def _join_timeout(self, pending: list[Handle]) -> Outcome:
+        """Name the ranks furthest behind; ranks already in init_process_group are only waiting for them."""
+        order = list(RankState)
+        missing = self.job.spec.nproc - len(self.handles)
+        behind = min((order.index(h.rank.state) for h in pending), default=0)
+        culprits = [h for h in pending if order.index(h.rank.state) == behind]
+        parts = [f"rank {h.rank.rank} never joined (reached {h.rank.state.value})" for h in culprits]
+        parts += [f"rank {h.rank.rank} waiting in init_process_group ({h.rank.state.value})"
+                  for h in pending if h not in culprits]
+        if missing:
+            parts.append(f"{missing} rank(s) never spawned")
+        ranks = [h.rank.rank for h in culprits]
+        return Outcome(JobState.TIMED_OUT, "join_timeout",
+                       RootCause(reason="join_timeout", attempt=self.number, ranks=ranks,
+                                 rank=ranks[0] if ranks else None,
+                                 phase=culprits[0].rank.state.value if culprits else None,
+                                 detail=f"join timeout after {self.timeouts['join']:.0f}s: " + "; ".join(parts)),
+                       hang=True)
 
     async def _timers(self) -> None:
         while self.outcome is None:

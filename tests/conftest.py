@@ -1,0 +1,179 @@
+"""Shared fixtures: a real daemon in a subprocess, and proof that nothing it started is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import Process
+
+from ddpd.client import AsyncClient
+from ddpd.protocol import JobSpec
+from ddpd.protocol.control import EventView, JobView
+
+REPO = Path(__file__).resolve().parent.parent
+DAEMON_START_TIMEOUT = 60
+JOB_TIMEOUT = 120
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def assert_group_gone(pgid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def processes_with_env(key: str, values: set[str]) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            k, _, v = item.partition(b"=")
+            if k == key.encode() and v.decode(errors="replace") in values:
+                found.append(int(name))
+    return found
+
+
+def assert_nothing_left(jobs: list[JobView]) -> None:
+    """Every rank process and process group of these jobs is gone, and no descendant carries their id."""
+    for job in jobs:
+        for rank in job.ranks:
+            if rank.pid is not None:
+                assert_gone(rank.pid)
+            if rank.pgid is not None:
+                assert_group_gone(rank.pgid)
+    left = processes_with_env("DDPD_JOB_ID", {j.id for j in jobs})
+    assert left == [], f"processes of jobs still alive: {left}"
+
+
+@dataclass
+class DaemonProc:
+    socket: Path
+    state_dir: Path
+    proc: Process
+    client: AsyncClient
+    logs: list[dict[str, Any]] = field(default_factory=list)
+    _changed: anyio.Event = field(default_factory=anyio.Event)
+    pids_seen: set[int] = field(default_factory=set)
+
+    def spec(self, **kw: Any) -> JobSpec:
+        kw.setdefault("workdir", str(REPO))
+        return JobSpec(**kw)
+
+    async def run(self, spec: JobSpec, timeout: float = JOB_TIMEOUT) -> JobView:
+        job_id = await self.client.submit(spec)
+        with anyio.fail_after(timeout):
+            return await self.client.wait(job_id)
+
+    async def wait_event(
+        self, job_id: str | None, match: Callable[[EventView], bool], timeout: float = JOB_TIMEOUT
+    ) -> EventView:
+        """Follow the daemon's event stream until an event matches (a handshake, never a sleep)."""
+        with anyio.fail_after(timeout):
+            async with self.client.events(job_id, follow=True) as stream:
+                async for event in stream:
+                    if match(event):
+                        return event
+        raise AssertionError(f"event stream of {job_id} ended without a match")
+
+    async def wait_log(self, match: Callable[[dict[str, Any]], bool], timeout: float = 30) -> dict[str, Any]:
+        with anyio.fail_after(timeout):
+            seen = 0
+            while True:
+                for line in self.logs[seen:]:
+                    if match(line):
+                        return line
+                seen = len(self.logs)
+                await self._changed.wait()
+
+    async def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        buf = b""
+        async for chunk in self.proc.stderr:
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                try:
+                    self.logs.append(json.loads(line))
+                except ValueError:
+                    self.logs.append({"event": "raw", "text": line.decode(errors="replace")})
+            self._changed.set()
+            self._changed = anyio.Event()
+
+
+def daemon_argv(socket_path: Path, state_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ddpd.daemon", "serve", "--socket", str(socket_path),
+            "--state-dir", str(state_dir), "--log-format", "json", *extra]
+
+
+async def start_daemon(
+    tg: anyio.abc.TaskGroup, base: Path, *extra: str, env: dict[str, str] | None = None,
+    state_dir: Path | None = None,
+) -> DaemonProc:
+    sock = base / "ddpd.sock"
+    state = state_dir or base / "state"
+    proc = await anyio.open_process(
+        daemon_argv(sock, state, *extra), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})}, cwd=str(REPO),
+    )
+    d = DaemonProc(socket=sock, state_dir=state, proc=proc, client=AsyncClient(sock))
+    tg.start_soon(d._pump)
+    await d.wait_log(lambda e: e.get("event") == "daemon.ready", DAEMON_START_TIMEOUT)
+    return d
+
+
+async def stop_daemon(d: DaemonProc, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    if d.proc.returncode is None:
+        d.proc.send_signal(sig)
+    with anyio.fail_after(timeout):
+        return await d.proc.wait()
+
+
+@pytest.fixture
+def short_tmp() -> Any:
+    """A short directory (Unix socket paths are limited to 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ddpd-t"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
+    """A real daemon; afterwards it is stopped and every process of every job is proven gone."""
+    async with anyio.create_task_group() as tg:
+        d = await start_daemon(tg, short_tmp)
+        try:
+            yield d
+        finally:
+            jobs: list[JobView] = []
+            if d.proc.returncode is None:
+                with anyio.fail_after(30):
+                    jobs = await d.client.list_jobs()
+            rc = await stop_daemon(d)
+            assert rc == 0, f"daemon exited with {rc}"
+            assert_nothing_left(jobs)
+            tg.cancel_scope.cancel()
