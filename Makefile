@@ -1,0 +1,39 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+# Override to keep your own build, e.g. TORCH_SPEC='torch>=2.4' (CUDA users) or an already installed one.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint unit bench bench-short clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)" numpy
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+unit: setup
+	$(BIN)/python -m pytest -q -m 'not slow'
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+bench-short: setup
+	$(BIN)/python -m benchmarks --short
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The demo: a private daemon, the classic two-rank DDP job, its progress rank by rank, a summary.
+set -euo pipefail
+dir=$(mktemp -d /tmp/ddpd-demo.XXXXXX)
+export DDPD_SOCKET="$dir/ddpd.sock"
+ddpd serve --socket "$DDPD_SOCKET" --state-dir "$dir/state" --log-format json 2>"$dir/daemon.log" &
+daemon=$!
+cleanup() {
+    kill -TERM "$daemon" 2>/dev/null || true
+    wait "$daemon" 2>/dev/null || true
+    rm -rf "$dir"
+}
+trap cleanup EXIT
+for _ in $(seq 1 300); do ddpctl ping >/dev/null 2>&1 && break; sleep 0.1; done
+ddpctl ping >/dev/null
+
+echo "== submitting the classic two-layer job, 2 ranks (gloo on CPU)"
+job=$(ddpctl submit --task two-layer --nproc 2 --steps 20 --name demo)
+echo "job $job"
+echo "== progress, rank by rank"
+ddpctl events "$job" -f | grep -E 'rank\.(spawned|connected|joined|result|exited)|job\.(state_changed|finished)' || true
+echo "== summary"
+ddpctl status "$job"
+ddpctl wait "$job"
+echo "== daemon log (structured, JSON) kept $(wc -l < "$dir/daemon.log") events; the demo daemon stops now"
