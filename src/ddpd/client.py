@@ -11,6 +11,7 @@ Error replies raise `RemoteError(code, message)`; a socket that cannot be reache
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -95,6 +96,7 @@ __all__ = [
     "SpecError",
     "Stream",
     "Timeouts",
+    "build_spec",
     "check_spec",
 ]
 
@@ -126,9 +128,7 @@ class ConnectionLost(DaemonUnavailable):
     """The daemon closed the connection before the reply was complete."""
 
     def __init__(self, socket_path: Path, reason: str = "the connection closed before the reply") -> None:
-        RemoteError.__init__(
-            self, "connection_lost", f"lost the connection to ddpd at {socket_path}: {reason}"
-        )
+        RemoteError.__init__(self, "connection_lost", f"lost the connection to ddpd at {socket_path}: {reason}")
         self.socket_path = socket_path
         self.reason = reason
 
@@ -221,6 +221,24 @@ def _stream_step(reply: Reply, type_: type[T]) -> T | None:
     if isinstance(reply, Error):
         raise RemoteError(reply.code, reply.message)
     raise ProtocolError("unexpected ok reply inside a stream")
+
+
+def build_spec(fields: Mapping[str, Any]) -> JobSpec:
+    """A JobSpec from plain values, checked as the daemon checks it; SpecError names the field.
+
+    The spec returned is the one given (defaults left for the daemon to fill in).
+    """
+    try:
+        spec = msgspec.convert(fields, JobSpec)
+    except msgspec.ValidationError as exc:
+        message, sep, path = str(exc).rpartition(" - at `")
+        if not sep:
+            unknown = re.search(r"unknown field `([^`]*)`", str(exc))
+            raise SpecError(unknown.group(1) if unknown else "spec", str(exc)) from None
+        field = path.rstrip("`").removeprefix("$").lstrip(".") or "spec"
+        raise SpecError(field, message) from None
+    check_spec(spec)
+    return spec
 
 
 # Requests built by the high-level methods (the id is filled in per connection)
@@ -427,9 +445,7 @@ class AsyncClient:
         async with self.connect(hello=hello) as conn:
             return [reply async for reply in conn.stream(req)]
 
-    async def send_raw(
-        self, data: bytes, *, hello: bool = True, expect: int | None = None
-    ) -> list[dict[str, Any]]:
+    async def send_raw(self, data: bytes, *, hello: bool = True, expect: int | None = None) -> list[dict[str, Any]]:
         async with self.connect(hello=hello) as conn:
             return await conn.send_raw_frames(data, expect=expect)
 
@@ -461,9 +477,7 @@ class AsyncClient:
     ) -> AsyncStream[LogChunk]:
         return AsyncStream(self, _logs_request(job_id, rank, attempt, follow), LogChunk)
 
-    def events(
-        self, job_id: str | None = None, follow: bool = False, since: int = 0
-    ) -> AsyncStream[EventView]:
+    def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> AsyncStream[EventView]:
         return AsyncStream(self, _events_request(job_id, follow, since), EventView)
 
     async def ping(self) -> float:
@@ -571,6 +585,11 @@ class Connection:
         return self.call(_hello(self.next_id()))
 
     def close(self) -> None:
+        """Close the connection; a read blocked in another thread wakes up with end of file."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
 
 
