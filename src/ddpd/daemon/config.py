@@ -40,6 +40,7 @@ class Config:
     cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
     gpus: int | None = None  # None: ask torch at start
     pool_size: int = 0
+    worker_command: tuple[str, ...] = ()  # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
     max_running: int = 64
     log_level: str = "info"
     log_format: str = "auto"  # auto | json | console
@@ -83,6 +84,10 @@ def _apply(cfg: Config, data: dict[str, Any], where: str) -> Config:
                 if not (isinstance(value, list) and len(value) == 2 and 0 < value[0] <= value[1] < 65536):
                     raise ConfigError(f"{where}: port_range must be [first, last] within 1..65535")
                 value = (int(value[0]), int(value[1]))
+            elif key == "worker_command":
+                if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+                    raise ConfigError(f"{where}: worker_command must be a non-empty list of strings")
+                value = tuple(value)
             elif key == "socket_mode" and isinstance(value, str):
                 value = int(value, 8)
             kw[key] = value

@@ -215,7 +215,8 @@ class Attempt:
             env = self._env(r, rdzv)
             parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             log_path = self.dir / f"rank-{r}.log"
-            argv = [sys.executable, "-m", "ddpd.worker", "--fd", str(child_end.fileno()), "--parent", str(os.getpid())]
+            argv = [*(self.config.worker_command or (sys.executable, "-m", "ddpd.worker")),
+                    "--fd", str(child_end.fileno()), "--parent", str(os.getpid())]
             try:
                 proc = procs.spawn(
                     argv, env=env, cwd=cwd, log_path=log_path, pass_fds=[child_end.fileno()],
