@@ -18,7 +18,7 @@ echo "== submitting the classic two-layer job, 2 ranks (gloo on CPU)"
 job=$(ddpctl submit --task two-layer --nproc 2 --steps 20 --name demo)
 echo "job $job"
 echo "== progress, rank by rank"
-ddpctl events "$job" -f | grep -E 'rank\.(spawned|connected|joined|result|exited)|job\.(state_changed|finished)' || true
+ddpctl events "$job" -f | grep -E 'rank\.(spawned|connected|joined|progress|result|exited)|job\.(state_changed|finished)' || true
 echo "== summary"
 ddpctl status "$job"
 ddpctl wait "$job"
