@@ -385,7 +385,9 @@ class Attempt:
                                                    detail=f"rank {h.rank.rank} sent nothing for "
                                                           f"{now - h.rank.last_frame:.1f}s"), hang=True)
                 deadlines.append(at)
-        stalled = [h for h in live if h.rank.state in joined and h.rank.last_step_change is not None]
+        # the step counter is watched once a rank trains; a script that never reports steps is not watched
+        watched = (RankState.TRAINING,) if self.job.spec.script is not None else (RankState.JOINED, RankState.TRAINING)
+        stalled = [h for h in live if h.rank.state in watched and h.rank.last_step_change is not None]
         if stalled:
             low = min(h.rank.step for h in stalled)
             at = min((h.rank.last_step_change or 0.0) + t["progress"] for h in stalled)
