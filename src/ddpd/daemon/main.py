@@ -40,11 +40,12 @@ def main() -> None:
 @click.option("--gpus", type=int, help="number of GPUs to schedule (default: what torch finds)")
 @click.option("--cpu-slots", type=int, help="CPU ranks that may run at once (default: cores)")
 @click.option("--heartbeat-interval", type=float, help="seconds between worker heartbeats")
+@click.option("--pool-size", type=click.IntRange(min=0), help="warm pre-started workers to keep (default 0: none)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--log-format", type=click.Choice(["auto", "json", "console"]))
 def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | None, port_range: str | None,
           store_host: str | None, gpus: int | None, cpu_slots: int | None, heartbeat_interval: float | None,
-          log_level: str | None, log_format: str | None) -> None:
+          pool_size: int | None, log_level: str | None, log_format: str | None) -> None:
     """Run the daemon in the foreground."""
     from .app import run
 
@@ -56,6 +57,7 @@ def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | 
         "gpus": gpus,
         "cpu_slots": cpu_slots,
         "heartbeat_interval": heartbeat_interval,
+        "pool_size": pool_size,
         "log_level": log_level,
         "log_format": log_format,
     }

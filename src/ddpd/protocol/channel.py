@@ -89,6 +89,7 @@ class Assign(_W, tag="assign"):
     join_timeout: float
     checkpoint_dir: str
     pgid: int = 0  # 0: already in the right group (cold spawn); else setpgid to it
+    log_path: str = ""  # "": keep stdout/stderr (cold spawn); else append both to this file (warm pool)
 
 
 class Stop(_W, tag="stop"):
