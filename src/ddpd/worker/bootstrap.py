@@ -88,13 +88,34 @@ def send_heartbeats(runtime: Runtime, interval: float) -> None:
         time.sleep(interval)
 
 
+def redirect_output(path: str) -> None:
+    """Append stdout and stderr (fds 1 and 2, so faulthandler and C++ output too) to `path`."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
 def apply_assignment(assign: Assign) -> None:
-    """Join the attempt's process group, take its environment and working directory."""
+    """Join the attempt's process group, take its log, environment and working directory.
+
+    A warm-pool interpreter started in another directory: `sys.path[0]` (its start directory,
+    as `python -m` set it) becomes the new working directory, as a cold start there would have.
+    """
     if assign.pgid > 0 and os.getpgrp() != assign.pgid:
         os.setpgid(0, assign.pgid)
+    if assign.log_path:
+        redirect_output(assign.log_path)
     os.environ.update(assign.env)
     if assign.spec.workdir:
+        start = os.getcwd()
         os.chdir(assign.spec.workdir)
+        if sys.path and sys.path[0] == start:
+            sys.path[0] = os.getcwd()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         import torch
