@@ -16,9 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
+import msgspec
 import structlog
 
 from ..protocol import FrameError, JobState, RankState, TransitionError
@@ -39,6 +40,7 @@ from . import procs
 from .channel import WorkerChannel
 from .config import Config
 from .jobs import Job, Journal, Rank, job_dir
+from .pool import WarmPool, pool_eligible
 from .rendezvous import Rendezvous, RendezvousError, open_rendezvous
 from .rootcause import Evidence, pick_root_cause
 
@@ -71,6 +73,7 @@ class Handle:
     state_at_failure: str | None = None
     signals_before_exit: frozenset[str] = frozenset()
     last_progress_event: float = 0.0
+    pooled: bool = False  # a warm-pool worker: joins the group itself (Assign.pgid), verified from /proc
 
 
 def boot_ticks() -> int:
@@ -78,6 +81,8 @@ def boot_ticks() -> int:
 
 
 class Attempt:
+    pool: ClassVar[WarmPool | None] = None  # the daemon's warm pool (set by the app while it serves)
+
     def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any]) -> None:
         self.config = config
         self.journal = journal
@@ -209,12 +214,17 @@ class Attempt:
         await anyio.to_thread.run_sync(lambda: self.dir.mkdir(parents=True, exist_ok=True))
         await anyio.to_thread.run_sync(lambda: self.checkpoint_dir.mkdir(parents=True, exist_ok=True))
         cwd = job.spec.workdir or str(job_dir(self.config.state_dir, job.id))
+        pool = self.pool if self.pool is not None and pool_eligible(job.spec) is None else None
         for r in range(job.spec.nproc):
             if self.outcome is not None:
                 return
+            log_path = self.dir / f"rank-{r}.log"
+            taken = pool.take() if pool is not None else None
+            if taken is not None:
+                await self._adopt(tg, rdzv, r, log_path, *taken)
+                continue
             env = self._env(r, rdzv)
             parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            log_path = self.dir / f"rank-{r}.log"
             argv = [*(self.config.worker_command or (sys.executable, "-m", "ddpd.worker")),
                     "--fd", str(child_end.fileno()), "--parent", str(os.getpid())]
             try:
@@ -247,6 +257,47 @@ class Attempt:
              "token": self.token, "started_at": time.time()},
         )
 
+    async def _adopt(self, tg: anyio.abc.TaskGroup, rdzv: Rendezvous, r: int, log_path: Path,
+                     proc: subprocess.Popen[bytes], channel: WorkerChannel, hello: Hello) -> None:
+        """Rank `r` is a warm-pool worker that already said hello (it was CONNECTED in the pool).
+
+        It leads its own process group: as the attempt's first rank it becomes the attempt's
+        group (Assign.pgid = its pid, a no-op), else it joins the leader's with setpgid on
+        Assign, checked against /proc when it reports store_connected. Until then group signals
+        may miss it, so `_signal_group` signals pooled ranks by pid too. Its stdout/stderr move
+        to `log_path` on Assign (Assign.log_path); the worker creates the file.
+        """
+        job = self.job
+        if self.pgid is None:
+            self.pgid = proc.pid
+        rank = Rank(rank=r, attempt=self.number, pid=proc.pid, pgid=self.pgid, log=str(log_path))
+        job.ranks.append(rank)
+        handle = Handle(rank=rank, proc=proc, channel=channel, pooled=True)
+        self.handles.append(handle)
+        tg.start_soon(self._watch_exit, handle)
+        await self.journal.save_rank(job, rank)
+        await self.journal.event(job, "rank.spawned", rank=r, pid=proc.pid, pgid=self.pgid, log=str(log_path),
+                                 pooled=True)
+        tg.start_soon(self._connected_then_read, handle, hello, rdzv)
+
+    async def _connected_then_read(self, h: Handle, hello: Hello, rdzv: Rendezvous) -> None:
+        await self._connected(h, hello, rdzv)
+        await self._read(h, rdzv)
+
+    async def _connected(self, h: Handle, hello: Hello, rdzv: Rendezvous) -> None:
+        """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment."""
+        await self.journal.rank_state(self.job, h.rank, RankState.CONNECTED, "rank.connected",
+                                      worker_pid=hello.pid, protocol=hello.version, torch=hello.torch,
+                                      pooled=h.pooled)
+        await h.channel.send(self._assign(h, rdzv))
+
+    def _check_pgid(self, h: Handle) -> None:
+        """A pooled rank moved itself into the attempt's group: verify it (the daemon cannot, after exec)."""
+        info = procs.proc_info(h.proc.pid)
+        if info is not None and h.proc.returncode is None and info.pgid != self.pgid:
+            raise FrameError("pgid_mismatch", f"rank {h.rank.rank} (pid {h.proc.pid}) is in process group "
+                                              f"{info.pgid}, not the attempt's {self.pgid}")
+
     # -- per-rank watchers -----------------------------------------------------------------
 
     def _fail(self, h: Handle) -> None:
@@ -274,11 +325,11 @@ class Attempt:
                             h.last_progress_event = now
                             await self.journal.event(job, "rank.progress", rank=rank.rank, persist=False,
                                                      step=step, loss=loss)
-                    case Hello(pid=pid, version=version, torch=torch_version):
-                        await self.journal.rank_state(job, rank, RankState.CONNECTED, "rank.connected",
-                                                      worker_pid=pid, protocol=version, torch=torch_version)
-                        await h.channel.send(self._assign(rank, rdzv))
+                    case Hello() as hello:
+                        await self._connected(h, hello, rdzv)
                     case PhaseChanged(phase="store_connected"):
+                        if h.pooled:
+                            self._check_pgid(h)
                         await self.journal.rank_state(job, rank, RankState.STORE_CONNECTED, "rank.store_connected")
                     case PhaseChanged(phase="joined"):
                         rank.last_step_change = now
@@ -320,8 +371,11 @@ class Attempt:
         finally:
             h.reader_done.set()
 
-    def _assign(self, rank: Rank, rdzv: Rendezvous) -> Assign:
+    def _assign(self, h: Handle, rdzv: Rendezvous) -> Assign:
+        rank = h.rank
         spec = self.job.spec
+        if h.pooled and not spec.workdir:  # a cold rank starts in the job's directory: so does a pooled one
+            spec = msgspec.structs.replace(spec, workdir=str(job_dir(self.config.state_dir, self.job.id)))
         return Assign(
             job_id=self.job.id,
             attempt=self.number,
@@ -337,6 +391,8 @@ class Attempt:
             heartbeat_interval=self.config.heartbeat_interval,
             join_timeout=float(self.timeouts["join"]),
             checkpoint_dir=str(self.checkpoint_dir),
+            pgid=(self.pgid or 0) if h.pooled else 0,
+            log_path=(rank.log or "") if h.pooled else "",
         )
 
     async def _watch_exit(self, h: Handle) -> None:
@@ -453,6 +509,12 @@ class Attempt:
         self._signals_sent.add(signum.name)
         if self.pgid is not None:
             procs.kill_group(self.pgid, signum)
+        for h in self.handles:  # a pooled rank may not have joined the group yet
+            if h.pooled and h.proc.returncode is None:  # not reaped: the pid is still ours
+                try:
+                    os.kill(h.proc.pid, signum)
+                except ProcessLookupError:
+                    pass
 
     async def _dump_stacks(self) -> None:
         live = self._live()
