@@ -19,10 +19,12 @@ from .config import Config, ConfigError, load_config
 from .jobs import EventBus, Journal
 from .logs import configure_logging, set_level
 from .notify import Notifier, listen_fds
+from .pool import WarmPool
 from .procs import set_child_subreaper
 from .scheduler import Resources, Scheduler
 from .server import ControlServer, prepare_socket_path, secure_socket
 from .state import StateDB
+from .supervisor import Attempt
 
 log = structlog.get_logger("ddpd")
 
@@ -105,6 +107,9 @@ class Daemon:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals)
+                pool = WarmPool(cfg)  # warm workers (pool_size 0: none, every rank starts cold)
+                Attempt.pool = pool if pool.size else None
+                await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
                 tg.start_soon(listener.serve, server.handle)
                 tg.start_soon(self.notifier.watchdog)
