@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,11 +15,12 @@ import structlog
 from anyio.abc import SocketListener, TaskStatus
 
 from .. import __version__
-from ..protocol import PROTOCOL_VERSION
+from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, parse_listen
 from .jobs import EventBus, Journal
 from .logs import configure_logging, set_level
+from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
 from .pool import WarmPool
 from .procs import set_child_subreaper
@@ -27,6 +30,11 @@ from .state import StateDB
 from .supervisor import Attempt
 
 log = structlog.get_logger("ddpd")
+
+_ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
+# keys a reload cannot change: they are bound or opened once at start
+_RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
+                 "metrics_token", "pool_size")
 
 
 def _count_gpus() -> int:
@@ -43,104 +51,168 @@ class Daemon:
         self.notifier = Notifier()
         self._stop = anyio.Event()
         self._stop_count = 0
+        self._adopted = False
+        self._socket_path: Path = config.socket
         self.scheduler: Scheduler | None = None
+
+    def counts(self) -> tuple[int, int]:
+        """Jobs starting or running (restarts included), and jobs queued, by their recorded state."""
+        if self.scheduler is None:
+            return 0, 0
+        states = [j.state for j in self.scheduler.jobs.values()]
+        return sum(s in _ACTIVE for s in states), states.count(JobState.QUEUED)
 
     def info(self) -> DaemonInfo:
         assert self.scheduler is not None
-        running, queued = self.scheduler.counts()
+        running, queued = self.counts()
         res = self.scheduler.resources
         return DaemonInfo(
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(),
-            uptime=round(time.monotonic() - self.started, 3), socket=str(self.config.socket),
+            uptime=round(time.monotonic() - self.started, 3), socket=str(self._socket_path),
             state_dir=str(self.config.state_dir), running=running, queued=queued,
             cpu_slots=res.total_cpu, gpus=res.total_gpus,
         )
 
     async def reload(self) -> None:
-        """Re-read the config file: limits, defaults and log level; running jobs are untouched."""
+        """Re-read the config file: limits, defaults and log level; running jobs are untouched.
+
+        New attempts use the new config; a running attempt keeps the config it started with.
+        """
+        old = self.config
         try:
-            new = load_config(self.config.config_file, **self.overrides)
+            new = await anyio.to_thread.run_sync(lambda: load_config(old.config_file, **self.overrides))
         except ConfigError as exc:
-            log.error("daemon.reload_failed", error=str(exc))
+            log.error("daemon.reload_failed", error=str(exc), config_file=str(old.config_file))
             raise
-        keep = {"socket": self.config.socket, "state_dir": self.config.state_dir}
-        self.config = new.with_overrides(**keep)
-        set_level(self.config.log_level)
+        ignored = [k for k in _RESTART_ONLY if getattr(new, k) != getattr(old, k)]
+        new = dataclasses.replace(new, **{k: getattr(old, k) for k in _RESTART_ONLY})
+        changed = sorted(f.name for f in dataclasses.fields(Config) if getattr(new, f.name) != getattr(old, f.name))
+        self.config = new
         if self.scheduler is not None:
-            self.scheduler.config = self.config
-        log.info("daemon.reloaded", log_level=self.config.log_level, config_file=str(self.config.config_file))
+            res = self.scheduler.resources
+            res.free_cpu += new.cpu_slots - res.total_cpu  # may go negative until running jobs give slots back
+            res.total_cpu = new.cpu_slots
+            self.scheduler.config = new
+            self.scheduler._notify()  # a raised limit may let queued jobs start
+        # logged before the new level applies, so the line is seen whatever the change
+        log.info("daemon.reloaded", log_level=new.log_level, changed=changed, needs_restart=ignored,
+                 config_file=None if new.config_file is None else str(new.config_file))
+        set_level(new.log_level)
 
     def _status(self) -> None:
-        if self.scheduler is not None:
-            running, queued = self.scheduler.counts()
-            self.notifier.send(f"STATUS={running} running, {queued} queued")
+        running, queued = self.counts()
+        prefix = "stopping: " if self._stop.is_set() else ""
+        text = f"{prefix}{running} running, {queued} queued"
+        if self.notifier.status(text):
+            log.debug("daemon.status", running=running, queued=queued, stopping=self._stop.is_set())
 
-    async def _signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
-                if signum == signal.SIGHUP:
-                    try:
-                        await self.reload()
-                    except ConfigError:
-                        pass
-                    continue
-                self._stop_count += 1
-                log.info("daemon.stop_requested", signal=signal.Signals(signum).name, count=self._stop_count)
-                if self._stop_count == 1:
-                    self._stop.set()
-                elif self.scheduler is not None:
-                    for attempt in list(self.scheduler.attempts.values()):
-                        attempt.force()
+    async def _follow_status(self, bus: EventBus) -> None:
+        """STATUS= on every change of the counts (submissions, state changes, cancellations)."""
+        while True:  # the bus drops a subscriber that falls behind: subscribe again
+            async with bus.subscribe() as stream:
+                self._status()
+                async for event in stream:
+                    if event.kind in ("job.submitted", "job.state_changed"):
+                        self._status()
+
+    async def _signals(self, signals: Any) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                log.info("daemon.reload_requested", signal=name)
+                try:
+                    await self.reload()
+                except ConfigError:
+                    pass
+                continue
+            self._stop_count += 1
+            log.info("daemon.stop_requested", signal=name, count=self._stop_count,
+                     force=self._stop_count > 1)
+            if self._stop_count == 1:
+                self._stop.set()
+            elif self.scheduler is not None:
+                for attempt in list(self.scheduler.attempts.values()):
+                    attempt.force()
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        # signals are received from the start: one arriving during recovery waits for the handler task
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            await self._serve(signals, task_status)
+
+    async def _serve(self, signals: Any, task_status: TaskStatus[None]) -> None:
         cfg = self.config
         await anyio.to_thread.run_sync(lambda: cfg.state_dir.mkdir(parents=True, exist_ok=True))
         set_child_subreaper()
         gpus = cfg.gpus if cfg.gpus is not None else await anyio.to_thread.run_sync(_count_gpus)
         db = await anyio.to_thread.run_sync(StateDB, cfg.state_dir / "ddpd.db")
-        journal = Journal(db, EventBus())
-        journal.on_change.append(self._status)
+        bus = EventBus()
+        journal = Journal(db, bus)
         self.scheduler = scheduler = Scheduler(cfg, journal, Resources(gpus, cfg.cpu_slots))
-        await scheduler.recover()
-        listener = await self._listen()
-        server = ControlServer(scheduler, self.info, self.reload)
+        listener: SocketListener | None = None
         try:
+            await scheduler.recover()
+            metrics = metrics_listener = None
+            if cfg.metrics_listen is not None:
+                metrics = Metrics(scheduler, self.started, __version__)
+                host, port = parse_listen(cfg.metrics_listen)
+                metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
+            listener = await self._listen()
+            server = ControlServer(scheduler, self.info, self.reload)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._signals)
+                tg.start_soon(self._signals, signals)
+                tg.start_soon(self._follow_status, bus)
                 pool = WarmPool(cfg)  # warm workers (pool_size 0: none, every rank starts cold)
                 Attempt.pool = pool if pool.size else None
                 await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
                 tg.start_soon(listener.serve, server.handle)
                 tg.start_soon(self.notifier.watchdog)
-                log.info("daemon.ready", version=__version__, pid=os.getpid(), socket=str(cfg.socket),
-                         state_dir=str(cfg.state_dir), gpus=gpus, cpu_slots=cfg.cpu_slots)
+                if metrics is not None and metrics_listener is not None:
+                    tg.start_soon(metrics.consume, bus)
+                    tg.start_soon(MetricsServer(metrics.render, cfg.metrics_token).serve, metrics_listener)
+                running, queued = self.counts()
+                log.info("daemon.ready", version=__version__, pid=os.getpid(), socket=str(self._socket_path),
+                         socket_activated=self._adopted, state_dir=str(cfg.state_dir), gpus=gpus,
+                         cpu_slots=cfg.cpu_slots, running=running, queued=queued,
+                         watchdog_interval=self.notifier.watchdog_interval)
                 self.notifier.send("READY=1")
                 self._status()
                 task_status.started()
                 await self._stop.wait()
                 self.notifier.send("STOPPING=1")
-                running, queued = scheduler.counts()
-                log.info("daemon.stopping", running=running, queued=queued)
+                self._status()
+                running, queued = self.counts()
+                log.info("daemon.stopping", running=running, queued=queued,
+                         kill_grace=scheduler.config.defaults.kill_grace)
                 await scheduler.shutdown(force=False)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await listener.aclose()
-                if not self._adopted:
-                    try:
-                        cfg.socket.unlink()
-                    except FileNotFoundError:
-                        pass
+                if listener is not None:
+                    await listener.aclose()
+                    if not self._adopted:
+                        try:
+                            self._socket_path.unlink()
+                        except FileNotFoundError:
+                            pass
                 db.close()
-                log.info("daemon.stopped")
+                running, queued = self.counts()
+                log.info("daemon.stopped", uptime=round(time.monotonic() - self.started, 3), queued=queued,
+                         running=running)
+                self.notifier.close()
 
     async def _listen(self) -> SocketListener:
         cfg = self.config
         adopted = listen_fds()
-        self._adopted = bool(adopted)
         if adopted:
-            return await SocketListener.from_socket(adopted[0])
+            self._adopted = True
+            for extra in adopted[1:]:
+                extra.close()
+            sock = adopted[0]
+            name = sock.getsockname()
+            if isinstance(name, str) and name:
+                self._socket_path = Path(name)
+            return await SocketListener.from_socket(sock)
         await anyio.to_thread.run_sync(prepare_socket_path, cfg.socket)
         listener = await anyio.create_unix_listener(cfg.socket)
         await anyio.to_thread.run_sync(secure_socket, cfg.socket, cfg.socket_mode, cfg.socket_group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol.paths import daemon_socket_path, daemon_state_dir
+from .logs import parse_level
 
 
 class ConfigError(ValueError):
@@ -44,6 +46,8 @@ class Config:
     max_running: int = 64
     log_level: str = "info"
     log_format: str = "auto"  # auto | json | console
+    metrics_listen: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
+    metrics_token: str | None = None  # bearer token the endpoint requires (mandatory off loopback)
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
@@ -67,7 +71,43 @@ def load_config(path: Path | None, **overrides: Any) -> Config:
             raise ConfigError(f"config file {path}: {exc}") from None
         cfg = _apply(cfg, data, str(path))
         cfg = dataclasses.replace(cfg, config_file=path)
-    return cfg.with_overrides(**overrides)
+    cfg = cfg.with_overrides(**overrides)
+    check_config(cfg)
+    return cfg
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """"HOST:PORT" or "[V6]:PORT" (port 0: any free port) into (host, port)."""
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"metrics_listen {value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_config(cfg: Config) -> None:
+    """Checks across keys, after the file and the flags are merged."""
+    if cfg.metrics_listen is not None:
+        host, _ = parse_listen(cfg.metrics_listen)
+        if not is_loopback(host) and not cfg.metrics_token:
+            raise ConfigError(f"metrics_listen {cfg.metrics_listen!r} is not loopback: set metrics_token too")
+    if cfg.max_running < 1 or cfg.cpu_slots < 1:
+        raise ConfigError("max_running and cpu_slots must be at least 1")
+    if cfg.log_format not in ("auto", "json", "console"):
+        raise ConfigError(f"log_format {cfg.log_format!r}: use auto, json or console")
+    try:
+        parse_level(str(cfg.log_level))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _apply(cfg: Config, data: dict[str, Any], where: str) -> Config:

@@ -42,11 +42,14 @@ def main() -> None:
 @click.option("--heartbeat-interval", type=float, help="seconds between worker heartbeats")
 @click.option("--pool-size", type=click.IntRange(min=0), help="warm pre-started workers to keep (default 0: none)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-format", type=click.Choice(["auto", "json", "console"]))
+@click.option("--log-format", type=click.Choice(["auto", "json", "console"]),
+              help="auto: JSON lines unless stderr is a terminal")
+@click.option("--metrics-listen", metavar="HOST:PORT",
+              help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
 def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | None, port_range: str | None,
           store_host: str | None, gpus: int | None, cpu_slots: int | None, heartbeat_interval: float | None,
-          pool_size: int | None, log_level: str | None, log_format: str | None) -> None:
-    """Run the daemon in the foreground."""
+          pool_size: int | None, log_level: str | None, log_format: str | None, metrics_listen: str | None) -> None:
+    """Run the daemon in the foreground (under systemd: Type=notify, socket activation)."""
     from .app import run
 
     overrides = {
@@ -60,6 +63,7 @@ def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | 
         "pool_size": pool_size,
         "log_level": log_level,
         "log_format": log_format,
+        "metrics_listen": metrics_listen,
     }
     try:
         config = load_config(config_file, **overrides)
@@ -74,14 +78,15 @@ def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | 
 
 @main.command()
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), envvar="DDPD_SOCKET")
-def health(socket_path: Path | None) -> None:
-    """Exit 0 when the daemon answers a ping (for probes)."""
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="seconds to wait for the answer")
+def health(socket_path: Path | None, timeout: float) -> None:
+    """Exit 0 when the daemon answers a ping, 1 otherwise (for probes)."""
     import socket as _socket
 
     path = socket_path or client_socket_path()
     try:
         with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as sock:
-            sock.settimeout(5)
+            sock.settimeout(timeout)
             sock.connect(str(path))
             sock.sendall(b'{"op":"ping","id":1}\n')
             reply = sock.makefile("rb").readline()
