@@ -48,6 +48,7 @@ log = structlog.get_logger("ddpd")
 
 UNKILLABLE_WAIT = 5.0  # after SIGKILL: how long to wait before reporting a process as unkillable
 STACK_DUMP_WAIT = 1.0
+MISSED_HEARTBEATS = 2  # rank.heartbeat_missed once a rank is silent for more than this many intervals
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Handle:
     state_at_failure: str | None = None
     signals_before_exit: frozenset[str] = frozenset()
     last_progress_event: float = 0.0
+    missed_reported: float | None = None  # the last_frame whose silence was reported as heartbeat_missed
     pooled: bool = False  # a warm-pool worker: joins the group itself (Assign.pgid), verified from /proc
 
 
@@ -483,6 +485,21 @@ class Attempt:
                                  detail=f"join timeout after {self.timeouts['join']:.0f}s: " + "; ".join(parts)),
                        hang=True)
 
+    def _overdue(self, now: float) -> tuple[list[Handle], float | None]:
+        """Live ranks silent for more than MISSED_HEARTBEATS intervals (once per silence), and when the next is."""
+        late = MISSED_HEARTBEATS * self.config.heartbeat_interval
+        overdue: list[Handle] = []
+        next_at: float | None = None
+        for h in self.handles:
+            last = h.rank.last_frame
+            if h.exit is not None or last is None or h.missed_reported == last:
+                continue
+            if now >= last + late:
+                overdue.append(h)
+            elif next_at is None or last + late < next_at:
+                next_at = last + late
+        return overdue, next_at
+
     async def _timers(self) -> None:
         while self.outcome is None:
             now = time.monotonic()
@@ -490,6 +507,15 @@ class Attempt:
             if outcome is not None:
                 self.conclude(outcome)
                 return
+            overdue, warn_at = self._overdue(now)
+            for h in overdue:
+                h.missed_reported = h.rank.last_frame
+                await self.journal.event(self.job, "rank.heartbeat_missed", rank=h.rank.rank,
+                                         silent=round(now - (h.rank.last_frame or now), 3),
+                                         interval=self.config.heartbeat_interval,
+                                         timeout=float(self.timeouts["heartbeat"]), state=h.rank.state.value)
+            if warn_at is not None and (next_at is None or warn_at < next_at):
+                next_at = warn_at
             # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it)
             await anyio.sleep(max(0.01, (next_at - now) if next_at is not None else 1.0))
 
