@@ -169,7 +169,9 @@ class Journal:
         self.bus.publish(EventView(seq=seq, ts=ts, kind=kind, job_id=job_id, attempt=attempt, rank=rank, data=data))
         if persist:
             level = "warning" if kind in _WARN_EVENTS else "info"
-            fields = {k: v for k, v in data.items() if k != "traceback"}
+            fields = dict(data)
+            if isinstance(fields.get("traceback"), str):  # its tail: where it failed, bounded for journald
+                fields["traceback"] = fields["traceback"][-LOG_TRACEBACK_CHARS:]
             getattr(log, level)(kind, job_id=job_id, attempt=attempt, rank=rank, **fields)
 
     async def save_job(self, job: Job) -> None:
@@ -208,6 +210,7 @@ class Journal:
         await self.event(job, kind, rank=rank.rank, **data)
 
 
+LOG_TRACEBACK_CHARS = 4000
 _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed"})
 
 
