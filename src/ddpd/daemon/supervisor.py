@@ -198,12 +198,20 @@ class Attempt:
                 "TORCHELASTIC_RESTART_COUNT": str(self.number - 1),
                 "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
                 "TORCHELASTIC_RUN_ID": self.job.id,
+                "TORCHELASTIC_ERROR_FILE": str(self.dir / f"rank-{rank}-error.json"),
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 "DDPD_JOB_ID": self.job.id,
                 "PYTHONUNBUFFERED": "1",
             }
         )
         env["DDPD_ATTEMPT"] = self.marker.split("=", 1)[1]
-        if self.job.gpus:
+        if not self.job.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU job never touches a GPU the scheduler gave another job
+        elif spec.script is not None:
+            # torchrun's layout: every rank sees the job's GPUs and `cuda:LOCAL_RANK` is its own
+            # (rank r's are devices r*k .. r*k+k-1 with k = gpus_per_rank)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.job.gpus)
+        else:  # the built-in loop: each rank sees only its own GPUs, as cuda:0..
             per = spec.gpus_per_rank
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.job.gpus[rank * per : (rank + 1) * per])
         if "OMP_NUM_THREADS" not in spec.env:
