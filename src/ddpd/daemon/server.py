@@ -235,6 +235,11 @@ class ControlServer:
                 yield chunk
             if chunks:
                 continue
+            if req.follow and req.attempt is None and attempt != job.attempt:
+                # the job started (attempt 0 is the queue) or restarted: follow its new attempt
+                attempt = job.attempt
+                offsets = dict.fromkeys(ranks, 0)
+                continue
             if not req.follow or done:
                 return
             with anyio.move_on_after(FOLLOW_INTERVAL):
