@@ -100,3 +100,43 @@ def regression(ctx: TaskContext) -> Task:
     return Task(model=torch.nn.Linear(4, 1), loss=lambda out, batch: mse(out, batch[1]),
                 dataset=torch.utils.data.TensorDataset(x, y), batch_size=8,
                 optimizer=lambda params: torch.optim.SGD(params, lr=0.05))
+
+
+def spawn_children_reporting(ctx: TaskContext) -> Task:
+    """Like spawn_children, and prints ``CHILD_PIDS <in-group> <setsid-escapee>`` to the rank's log."""
+    in_group = subprocess.Popen(["sleep", "1000"])
+    escaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"], start_new_session=True)
+    _children.extend((in_group, escaped))
+    print(f"CHILD_PIDS {in_group.pid} {escaped.pid}", flush=True)
+    return slow(ctx)
+
+
+def hang_ignoring_sigterm(ctx: TaskContext) -> Task:
+    """Every rank ignores SIGTERM; rank `options["rank"]` blocks forever at step `options["at_step"]`."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return hang_in_training(ctx)
+
+
+def garbage_to_daemon(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` writes raw bytes onto its channel to the daemon at step `options["at_step"]`.
+
+    The bytes are `options["garbage"]` (UTF-8) plus a newline, or, with `options["garbage_size"]`,
+    that many bytes of ``x`` and no newline (a frame over the size limit).
+    """
+    import os
+
+    at_step = int(ctx.options.get("at_step", 2))
+    task = slow(ctx)
+    if not _targets(ctx):
+        return task
+    fd = int(sys.argv[sys.argv.index("--fd") + 1])  # the worker's inherited channel socket
+    size = int(ctx.options.get("garbage_size", 0))
+    data = b"x" * size if size else str(ctx.options.get("garbage", "{not json")).encode() + b"\n"
+
+    def on_step(step: int) -> None:
+        if step == at_step:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+
+    return dataclasses.replace(task, on_step=on_step)
