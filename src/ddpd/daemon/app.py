@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
 from .config import Config, ConfigError, load_config, parse_listen
 from .jobs import EventBus, Journal
-from .logs import configure_logging, set_level
+from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
 from .pool import WarmPool
@@ -94,10 +95,11 @@ class Daemon:
             res.total_cpu = new.cpu_slots
             self.scheduler.config = new
             self.scheduler._notify()  # a raised limit may let queued jobs start
-        # logged before the new level applies, so the line is seen whatever the change
-        log.info("daemon.reloaded", log_level=new.log_level, changed=changed, needs_restart=ignored,
-                 config_file=None if new.config_file is None else str(new.config_file))
         set_level(new.log_level)
+        # at info, or at the new level when that hides info lines: a reload always shows in the log
+        level = new.log_level.lower() if parse_level(new.log_level) > logging.INFO else "info"
+        getattr(log, level)("daemon.reloaded", log_level=new.log_level, changed=changed, needs_restart=ignored,
+                            config_file=None if new.config_file is None else str(new.config_file))
 
     def _status(self) -> None:
         running, queued = self.counts()
