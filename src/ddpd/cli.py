@@ -354,6 +354,12 @@ def _output_option(func: F) -> F:
     )(func)
 
 
+def _text_output_option(help: str) -> Callable[[F], F]:
+    return click.option(
+        "-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True, help=help
+    )
+
+
 def _socket(socket_path: Path | None) -> Path | None:
     if socket_path is not None:
         return socket_path
@@ -434,7 +440,14 @@ def _seconds_option(name: str, help: str) -> Callable[[F], F]:
 @click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps.")
 @click.option("--priority", type=int, default=None, metavar="N")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank.")
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR")
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="Working directory of every rank; relative scripts and task modules are found there "
+    "[default: the current directory].",
+)
 @click.option(
     "--option",
     "options",
@@ -489,7 +502,9 @@ def submit(
         "max_restarts": max_restarts,
         "checkpoint_every": checkpoint_every,
         "priority": priority,
-        "workdir": None if workdir is None else os.path.abspath(workdir),
+        # the submitter's directory by default, so `--task mymodule:factory` and relative paths
+        # mean what they mean in the shell that ran ddpctl
+        "workdir": os.path.abspath(workdir if workdir is not None else os.getcwd()),
     }
     fields = {key: value for key, value in fields.items() if value is not None}
     timeouts = {
@@ -608,6 +623,7 @@ def cancel(job_id: str, force: bool, output: str, socket_path: Path | None) -> N
 @click.option("--attempt", type=int, default=None, help="This attempt [default: the daemon's choice].")
 @click.option("-f", "--follow", is_flag=True, help="Keep following until the job ends.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix lines with their rank.")
+@_text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text}).")
 @_socket_option
 def logs(
     job_id: str,
@@ -615,30 +631,28 @@ def logs(
     attempt: int | None,
     follow: bool,
     no_prefix: bool,
+    output: str,
     socket_path: Path | None,
 ) -> None:
     """Print the logs of JOB as they are (stdout and stderr of its ranks)."""
-    writer = _LogWriter(prefix=rank is None and not no_prefix)
-    try:
-        with _client(socket_path).logs(job_id, rank=rank, attempt=attempt, follow=follow) as chunks:
+    with _client(socket_path).logs(job_id, rank=rank, attempt=attempt, follow=follow) as chunks:
+        if output == "json":
+            for chunk in chunks:
+                _print_json(chunk)
+            return
+        writer = _LogWriter(prefix=rank is None and not no_prefix)
+        try:
             for chunk in chunks:
                 writer.write(chunk)
-    finally:
-        writer.finish()
+        finally:
+            writer.finish()
 
 
 @cli.command()
 @click.argument("job_id", metavar="[JOB]", required=False)
 @click.option("-f", "--follow", is_flag=True, help="Keep following new events.")
 @click.option("--since", type=int, default=0, metavar="SEQ", help="Only events after this sequence number.")
-@click.option(
-    "-o",
-    "--output",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="text: one line per event; json: one JSON object per line.",
-)
+@_text_output_option("text: one line per event; json: one JSON object per line.")
 @_socket_option
 def events(job_id: str | None, follow: bool, since: int, output: str, socket_path: Path | None) -> None:
     """Print the events of JOB (or of every job)."""
@@ -705,22 +719,32 @@ def reload(socket_path: Path | None) -> None:
 
 @cli.command()
 @click.argument("job_id", metavar="[JOB]", required=False)
+@_text_output_option("text: a live view; json: one JSON snapshot per refresh (the job, or the list of jobs).")
 @_socket_option
-def watch(job_id: str | None, socket_path: Path | None) -> None:
-    """A live view of JOB (or of all jobs) until Ctrl-C, or until JOB ends.
+def watch(job_id: str | None, output: str, socket_path: Path | None) -> None:
+    """A live view of JOB (or of all jobs): state, ranks, step, loss, heartbeat age.
 
     It refreshes on every event of the daemon's event stream, and once a second for the
-    heartbeat ages. Exits 0 on Ctrl-C; when JOB ends, 0 if it succeeded, else 1.
+    heartbeat ages. It runs until Ctrl-C (exit 0) or, with JOB, until JOB ends (exit 0 if it
+    succeeded, else 1).
     """
     client = _client(socket_path)
+    if output == "json":
+        try:
+            view = _watch(client, job_id, lambda views: _print_json(views[0] if job_id is not None else views))
+        except KeyboardInterrupt:
+            return
+        if view is not None:
+            sys.exit(0 if view.state == JobState.SUCCEEDED else EXIT_FAILED)
+        return
     console = _stdout()
     shown = False
     live = Live(Text(""), console=console, refresh_per_second=4)
 
-    def show(renderable: RenderableType) -> None:
+    def show(views: list[JobView]) -> None:
         nonlocal shown
         shown = True
-        live.update(renderable, refresh=True)
+        live.update(_watch_view(views, job_id is not None), refresh=True)
 
     try:
         with live:
@@ -735,7 +759,17 @@ def watch(job_id: str | None, socket_path: Path | None) -> None:
         sys.exit(0 if view.state == JobState.SUCCEEDED else EXIT_FAILED)
 
 
-def _watch(client: Client, job_id: str | None, show: Callable[[RenderableType], None]) -> JobView | None:
+def _watch_view(views: list[JobView], single: bool) -> RenderableType:
+    now = time.time()
+    if single:
+        return _job_detail(views[0], now)
+    parts: list[RenderableType] = [_jobs_table(views, now)]
+    for active in [v for v in views if v.state not in _FINAL and v.ranks][:8]:
+        parts.append(_ranks_table(active, title=f"{active.id} {active.name}".rstrip()))
+    return Group(*parts)
+
+
+def _watch(client: Client, job_id: str | None, show: Callable[[list[JobView]], None]) -> JobView | None:
     """Refresh on every event and once a second; returns the watched job once it is final.
 
     The event stream is read by a daemon thread that only wakes this one (blocking sockets:
@@ -748,23 +782,16 @@ def _watch(client: Client, job_id: str | None, show: Callable[[RenderableType], 
         try:
             for _ in stream:
                 wakeups.put(None)
-            wakeups.put(RemoteError("stream_ended", "the daemon ended the event stream"))
+            wakeups.put(_StreamEnded())
         except BaseException as exc:
             wakeups.put(exc)
 
     def refresh() -> JobView | None:
-        now = time.time()
         if job_id is not None:
             view = client.status(job_id)
-            show(_job_detail(view, now))
+            show([view])
             return view if view.state in _FINAL else None
-        views = client.list_jobs()
-        parts: list[RenderableType] = [_jobs_table(views, now)]
-        for active in [v for v in views if v.state not in _FINAL][:8]:
-            detail = active if active.ranks else client.status(active.id)
-            if detail.ranks:
-                parts.append(_ranks_table(detail, title=f"{detail.id} {detail.name}".rstrip()))
-        show(Group(*parts))
+        show(client.list_jobs())
         return None
 
     final = refresh()  # a bad JOB fails here, before the stream starts
@@ -783,10 +810,18 @@ def _watch(client: Client, job_id: str | None, show: Callable[[RenderableType], 
             final = refresh()
             if final is not None:
                 return final
+            if isinstance(failure, _StreamEnded):
+                if job_id is None:
+                    raise RemoteError("stream_ended", "the daemon ended the event stream")
+                failure = None  # the job's stream ends at job.finished: the next refresh sees it final
             if failure is not None:
                 raise failure
     finally:
         stream.close()
+
+
+class _StreamEnded(Exception):
+    pass
 
 
 def main() -> None:

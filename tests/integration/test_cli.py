@@ -1,0 +1,217 @@
+"""ddpctl against a real daemon: every command as a user runs it (a subprocess, its stdout,
+stderr and exit code)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.abc import Process
+
+from ..conftest import REPO, DaemonProc, assert_nothing_left, start_daemon, stop_daemon
+from ..scripts.helpers import wait_state
+
+pytestmark = pytest.mark.anyio
+
+DDPCTL = str(Path(sys.executable).parent / "ddpctl")
+TIMEOUT = 120
+
+
+async def ddpctl(d: DaemonProc | Path, *args: str, cwd: Path = REPO,
+                 timeout: float = TIMEOUT) -> subprocess.CompletedProcess[bytes]:
+    sock = d if isinstance(d, Path) else d.socket
+    with anyio.fail_after(timeout):
+        return await anyio.run_process([DDPCTL, "--socket", str(sock), *args], check=False,
+                                       stdin=subprocess.DEVNULL, cwd=str(cwd))
+
+
+def out(done: subprocess.CompletedProcess[bytes]) -> str:
+    return done.stdout.decode()
+
+
+def err(done: subprocess.CompletedProcess[bytes]) -> str:
+    return done.stderr.decode()
+
+
+async def _spawn(d: DaemonProc, *args: str) -> Process:
+    return await anyio.open_process([DDPCTL, "--socket", str(d.socket), *args], stdin=subprocess.DEVNULL,
+                                    cwd=str(REPO))
+
+
+async def _read_until(proc: Process, needle: str, count: int = 1) -> str:
+    """Read a running ddpctl's stdout until `needle` appeared `count` times (a handshake)."""
+    assert proc.stdout is not None
+    text = ""
+    with anyio.fail_after(TIMEOUT):
+        async for data in proc.stdout:
+            text += data.decode()
+            if text.count(needle) >= count:
+                return text
+    raise AssertionError(f"output ended without {needle!r}: {text}")
+
+
+async def _finish(proc: Process) -> tuple[int, str, str]:
+    """Wait for a ddpctl started with `_spawn` to end on its own; its rc, the rest of stdout, stderr."""
+    assert proc.stdout is not None and proc.stderr is not None
+    rest, errors = b"", b""
+    with anyio.fail_after(TIMEOUT):
+        async for data in proc.stdout:
+            rest += data
+        async for data in proc.stderr:
+            errors += data
+        rc = await proc.wait()
+    return rc, rest.decode(), errors.decode()
+
+
+async def test_submit_wait_status_ls_logs_events(daemon: DaemonProc) -> None:
+    # no --workdir: ddpctl sends its current directory, where the task module is importable
+    done = await ddpctl(daemon, "submit", "--task", "tests.scripts.gated:make_task", "--nproc", "2",
+                        "--steps", "2", "--name", "cli")
+    assert done.returncode == 0, err(done)
+    job_id = out(done).strip()
+    assert job_id.startswith("j") and "\n" not in job_id
+
+    done = await ddpctl(daemon, "wait", job_id)
+    assert done.returncode == 0 and "SUCCEEDED" in err(done)
+
+    done = await ddpctl(daemon, "status", job_id, "-o", "json")
+    view = json.loads(out(done))
+    assert view["state"] == "SUCCEEDED" and view["spec"]["workdir"] == str(REPO)
+    assert [r["step"] for r in view["ranks"]] == [2, 2]
+    done = await ddpctl(daemon, "status", job_id)
+    assert done.returncode == 0 and "SUCCEEDED" in out(done) and "root" in out(done)
+
+    done = await ddpctl(daemon, "ls", "-o", "json")
+    [listed] = json.loads(out(done))
+    assert listed["id"] == job_id and listed["owner_uid"] == 0
+    done = await ddpctl(daemon, "ls")
+    assert job_id in out(done) and "root" in out(done) and "owner" in out(done)
+
+    done = await ddpctl(daemon, "logs", job_id, "--rank", "1")
+    assert done.returncode == 0
+    lines = [json.loads(line.split(" ", 1)[1]) for line in out(done).splitlines() if line.startswith("ddpd-test-env")]
+    assert [line["rank"] for line in lines] == [1] and "[rank" not in out(done)
+    done = await ddpctl(daemon, "logs", job_id)
+    assert "[rank 0] ddpd-test-env" in out(done) and "[rank 1] ddpd-test-env" in out(done)
+    done = await ddpctl(daemon, "logs", job_id, "-o", "json")
+    chunks = [json.loads(line) for line in out(done).splitlines()]
+    assert {c["rank"] for c in chunks} == {0, 1} and all(c["attempt"] == 1 for c in chunks)
+
+    done = await ddpctl(daemon, "events", job_id, "-o", "json")
+    events = [json.loads(line) for line in out(done).splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "job.submitted" and kinds[-1] == "job.finished"
+    assert all(e["job_id"] == job_id for e in events)
+    done = await ddpctl(daemon, "events", job_id)
+    assert "job.finished" in out(done) and f"job={job_id}" in out(done)
+
+    done = await ddpctl(daemon, "logs", job_id, "--rank", "7")
+    assert done.returncode == 1 and "no rank 7" in err(done)
+    done = await ddpctl(daemon, "status", "nosuchjob")
+    assert done.returncode == 1 and "not_found" in err(done)
+    assert_nothing_left([await daemon.client.status(job_id)])
+
+
+async def test_submit_follow_exit_codes_and_bad_specs(daemon: DaemonProc) -> None:
+    # a relative script path, resolved in the submitter's directory
+    done = await ddpctl(daemon, "submit", "--follow", "--", "tests/scripts/show_env.py", "--steps", "2")
+    assert done.returncode == 0, err(done)
+    job_id, *log = out(done).splitlines()
+    assert "[rank 0] rank 0 of 1 ok" in log and "SUCCEEDED" in err(done)
+
+    done = await ddpctl(daemon, "submit", "-f", "--", "tests/scripts/show_env.py", "--exit-code", "3")
+    assert done.returncode == 1
+    failed_id = out(done).splitlines()[0]
+    assert "FAILED" in err(done) and "exit 3" in err(done)
+
+    done = await ddpctl(daemon, "submit", "--nproc", "0")
+    assert done.returncode == 2 and "nproc" in err(done) and "bad_spec" in err(done)
+    done = await ddpctl(daemon, "submit", "--nproc", "999")  # more ranks than CPU slots: never fits
+    assert done.returncode == 2 and "nproc: can never run here" in err(done)
+    done = await ddpctl(daemon, "submit", "--task", "no such task")
+    assert done.returncode == 2 and "task" in err(done)
+    done = await ddpctl(daemon, "submit", "--", "tests/scripts/missing.py")
+    assert done.returncode == 2 and "script" in err(done)
+    done = await ddpctl(daemon, "submit", "--env", "NOEQUALS")
+    assert done.returncode == 2 and "KEY=VALUE" in err(done)
+    jobs = await daemon.client.list_jobs()
+    assert {j.id for j in jobs} == {job_id, failed_id}
+    assert_nothing_left(jobs)
+
+
+async def test_cancel_logs_follow_watch_and_a_queued_follow(short_tmp: Path) -> None:
+    gate = short_tmp / "gate"
+    async with anyio.create_task_group() as tg:
+        d = await start_daemon(tg, short_tmp, "--cpu-slots", "2")
+        try:
+            done = await ddpctl(d, "submit", "--task", "tests.scripts.gated:make_task", "--nproc", "2",
+                                "--option", f"gate={gate}")
+            blocker = out(done).strip()
+            follow_logs = await _spawn(d, "logs", "-f", blocker)
+            await _read_until(follow_logs, "waiting for gate", count=2)
+            # the blocker holds both slots: this job waits, and --follow shows its logs once it runs
+            queued_follow = await _spawn(d, "submit", "--follow", "--", "tests/scripts/show_env.py")
+            watch_json = await _spawn(d, "watch", blocker, "-o", "json")
+            await _read_until(watch_json, '"state":"RUNNING"')
+            watch = await _spawn(d, "watch", blocker)
+            done = await ddpctl(d, "ls", "-o", "json")
+            states = {j["id"]: j["state"] for j in json.loads(out(done))}
+            assert states[blocker] == "RUNNING" and sorted(states.values()) == ["QUEUED", "RUNNING"]
+
+            done = await ddpctl(d, "cancel", blocker)
+            assert done.returncode == 0, err(done)
+            rc, rest, _ = await _finish(follow_logs)
+            assert rc == 0
+            rc, rest, errors = await _finish(watch)
+            assert rc == 1 and "CANCELLED" in errors  # watch ends on its own with the job's result
+            assert "TRAINING" in rest or "EXITED" in rest  # its last frame: the ranks table
+            rc, rest, errors = await _finish(watch_json)
+            assert rc == 1 and json.loads(rest.splitlines()[-1])["state"] == "CANCELLED"
+            rc, rest, errors = await _finish(queued_follow)
+            assert rc == 0, errors
+            assert "[rank 0] rank 0 of 1 ok" in rest
+
+            done = await ddpctl(d, "wait", blocker)
+            assert done.returncode == 1 and "CANCELLED" in err(done)
+            done = await ddpctl(d, "cancel", blocker)
+            assert done.returncode == 1 and "already ended" in err(done)
+            done = await ddpctl(d, "watch", blocker, "-o", "json")
+            assert done.returncode == 1 and json.loads(out(done).splitlines()[-1])["state"] == "CANCELLED"
+            await wait_state(d, blocker, "CANCELLED")
+        finally:
+            with anyio.fail_after(30):
+                jobs = await d.client.list_jobs()
+            assert await stop_daemon(d) == 0
+            tg.cancel_scope.cancel()
+    assert_nothing_left(jobs)
+
+
+async def test_ping_daemon_reload_and_an_unreachable_daemon(daemon: DaemonProc, short_tmp: Path) -> None:
+    done = await ddpctl(daemon, "ping")
+    assert done.returncode == 0 and out(done).startswith("pong from")
+    done = await ddpctl(daemon, "daemon", "-o", "json")
+    info = json.loads(out(done))
+    assert info["socket"] == str(daemon.socket) and info["cpu_slots"] >= 1 and info["running"] == 0
+    done = await ddpctl(daemon, "daemon")
+    assert "cpu slots" in out(done) and str(info["pid"]) in out(done)
+    done = await ddpctl(daemon, "reload")
+    assert done.returncode == 0 and "reloaded" in err(done)
+    done = await ddpctl(short_tmp / "nobody-here.sock", "ping")
+    assert done.returncode == 3 and "no such socket" in err(done)
+
+
+async def test_example_task_runs_from_its_directory(daemon: DaemonProc) -> None:
+    """The README's example: `cd examples && ddpctl submit --task mytask:make_task ... --follow`."""
+    done = await ddpctl(daemon, "submit", "--task", "mytask:make_task", "--nproc", "2", "--steps", "30",
+                        "--option", "lr=0.05", "--follow", cwd=REPO / "examples")
+    assert done.returncode == 0, err(done)
+    job_id = out(done).splitlines()[0]
+    view = await daemon.client.status(job_id)
+    assert [r.step for r in view.ranks] == [30, 30]
+    assert all(r.loss is not None and r.loss < 1.0 for r in view.ranks)
+    assert view.ranks[0].checksum == view.ranks[1].checksum
+    assert_nothing_left([view])
