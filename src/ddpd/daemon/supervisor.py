@@ -97,6 +97,7 @@ class Attempt:
         self.marker = f"DDPD_ATTEMPT={job.id}:{number}:{self.token}"
         self.outcome: Outcome | None = None
         self._concluded = anyio.Event()
+        self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
         self._signals_sent: set[str] = set()
         self._started = time.monotonic()
         self._start_ticks = boot_ticks()
@@ -322,6 +323,8 @@ class Attempt:
             async for msg in h.channel.frames():
                 now = time.monotonic()
                 rank.last_frame = now
+                if not isinstance(msg, Heartbeat | Progress):
+                    self._replan.set()  # a hello or a phase change starts deadlines (heartbeat, progress)
                 match msg:
                     case Heartbeat(step=step):
                         if step != rank.step:
@@ -350,6 +353,7 @@ class Attempt:
                         ):
                             await self.journal.job_state(job, JobState.RUNNING, "all ranks joined")
                     case PhaseChanged(phase="training"):
+                        rank.last_step_change = now  # DDP is built: the progress clock starts over
                         if rank.state is RankState.JOINED:
                             await self.journal.rank_state(job, rank, RankState.TRAINING)
                     case PhaseChanged():
@@ -510,6 +514,7 @@ class Attempt:
 
     async def _timers(self) -> None:
         while self.outcome is None:
+            self._replan = anyio.Event()
             now = time.monotonic()
             next_at, outcome = self._check_deadlines(now)
             if outcome is not None:
@@ -524,8 +529,11 @@ class Attempt:
                                          timeout=float(self.timeouts["heartbeat"]), state=h.rank.state.value)
             if warn_at is not None and (next_at is None or warn_at < next_at):
                 next_at = warn_at
-            # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it)
-            await anyio.sleep(max(0.01, (next_at - now) if next_at is not None else 1.0))
+            # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it later),
+            # or until a frame starts a new deadline that may come sooner (bug: a 4 s progress timeout
+            # used to wait for the 120 s join deadline the timer had gone to sleep on)
+            with anyio.move_on_after(max(0.01, (next_at - now) if next_at is not None else 1.0)):
+                await self._replan.wait()
 
     # -- teardown --------------------------------------------------------------------------
 
