@@ -211,7 +211,8 @@ class Journal:
 
 
 LOG_TRACEBACK_CHARS = 4000
-_WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed"})
+_WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed",
+                          "rank.unkillable", "rank.protocol_error"})
 
 
 def root_cause_from_json(raw: str | None) -> RootCause | None:
