@@ -334,11 +334,14 @@ class _Group(click.Group):
             ctx.exit(EXIT_INTERRUPTED)
 
 
+# not checked for readability here: a socket the user may not open is reported by the client
+# (exit 3, "permission denied (are you in the socket's group?)"), not as a usage error
+_SOCKET_PATH = click.Path(path_type=Path, readable=False)
 _SOCKET_HELP = "Control socket of the daemon (default: $DDPD_SOCKET, else the user's, else the system's)."
 
 
 def _socket_option(func: F) -> F:
-    return click.option("--socket", "socket_path", type=click.Path(path_type=Path), default=None, help=_SOCKET_HELP)(
+    return click.option("--socket", "socket_path", type=_SOCKET_PATH, default=None, help=_SOCKET_HELP)(
         func
     )
 
@@ -376,7 +379,7 @@ def _client(socket_path: Path | None) -> Client:
 @click.option(
     "--socket",
     "socket_path",
-    type=click.Path(path_type=Path),
+    type=_SOCKET_PATH,
     envvar="DDPD_SOCKET",
     show_envvar=True,
     default=None,
