@@ -1,0 +1,70 @@
+"""The plan of one benchmark run (how many repetitions, how long) and what the benchmarks share."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from rich.console import Console
+
+from .common import Daemon, Results, settle
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Plan:
+    short: bool
+    launch_reps: int
+    detect_reps: int
+    throughput_reps: int
+    throughput_steps: int
+    throughput_warmup: int
+    detect_width: int
+    idle_window: float
+    scale_jobs: int
+    scale_ranks: int
+    scale_window: float
+    status_rate: float
+    pool_size: int
+
+    @classmethod
+    def make(cls, short: bool, reps: int | None = None, pool_size: int = 2, workers: int = 500) -> Plan:
+        jobs = max(1, workers // 50)
+        if short:
+            return cls(short, reps or 3, reps or 2, reps or 2, 100, 20, 512, 2.0, jobs, workers // jobs, 8.0, 20.0,
+                       pool_size)
+        return cls(short, reps or 7, reps or 5, reps or 3, 400, 50, 512, 5.0, jobs, workers // jobs, 30.0, 20.0,
+                   pool_size)
+
+
+@dataclass
+class Ctx:
+    plan: Plan
+    token: str
+    base: Path
+    results: Results
+    console: Console
+    daemons: dict[str, Daemon] = field(default_factory=dict)
+
+    def say(self, text: str) -> None:
+        self.console.print(f"[dim]{text}[/dim]")
+
+    async def settle(self) -> None:
+        await settle(self.token)
+
+    async def alternate(self, reps: int, runners: Sequence[tuple[str, Callable[[], Awaitable[T]]]],
+                        record: Callable[[str, T], str]) -> None:
+        """Repetition after repetition, each launcher in turn (after the run's processes settle)."""
+        for rep in range(1, reps + 1):
+            for name, run in runners:
+                await self.settle()
+                try:
+                    value = await run()
+                except Exception as exc:
+                    self.results.errors.append(f"{name} rep {rep}: {exc}")
+                    self.console.print(f"[red]  {name} rep {rep}: {exc}[/red]")
+                    continue
+                self.say(f"  rep {rep}/{reps} {name:12} {record(name, value)}")
