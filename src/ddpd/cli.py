@@ -458,7 +458,13 @@ def _seconds_option(name: str, help: str) -> Callable[[F], F]:
     metavar="K=V",
     help="Task option; numbers and true/false are typed.",
 )
-@click.option("-m", "--module", "module", is_flag=True, help="Run the script argument as a module (python -m).")
+@click.option(
+    "-m",
+    "--module",
+    "module",
+    is_flag=True,
+    help="Run a module (python -m): `-m pkg.mod -- ARGS` or `-- -m pkg.mod ARGS`.",
+)
 @click.option("-f", "--follow", is_flag=True, help="Stream the logs until the job ends; exit 0 only on success.")
 @_socket_option
 @click.argument("script", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT ARGS...]")
@@ -525,6 +531,10 @@ def submit(
         fields["env"] = dict(_pairs("--env", env))
     if options:
         fields["options"] = {key: _typed_value(value) for key, value in _pairs("--option", options)}
+    if script and script[0] == "-m":  # `submit -- -m pkg.mod ARGS`, as after python or torchrun
+        module, script = True, script[1:]
+    if module and len(script) > 1 and script[1] == "--":  # `submit -m pkg.mod -- ARGS`
+        script = (script[0], *script[2:])
     if script:
         target, *args = script
         if not module and os.path.isfile(target):
