@@ -176,11 +176,18 @@ async def test_notify_ready_status_watchdog_and_stopping(short_tmp: Path) -> Non
         await d.client.cancel(first)
         await notify.wait_after(mark, lambda f: f == "STATUS=0 running, 0 queued")
 
+        # a reload (SIGHUP, as `systemctl reload` sends it) is bracketed by RELOADING=1 and READY=1
+        mark = len(notify.messages)
+        d.proc.send_signal(signal.SIGHUP)
+        await notify.wait_after(mark, lambda f: f == "RELOADING=1")
+        await notify.wait_after(mark, lambda f: f == "READY=1")
+        assert any(f.startswith("MONOTONIC_USEC=") for f in notify.fields())
+
         mark = len(notify.messages)
         jobs = await d.client.list_jobs()
         await _stop(d, jobs)
         await notify.wait_after(mark, lambda f: f == "STOPPING=1", timeout=10)
-        assert notify.fields().count("READY=1") == 1
+        assert notify.fields().count("READY=1") == 2
         tg.cancel_scope.cancel()
 
 

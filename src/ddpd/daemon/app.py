@@ -80,11 +80,14 @@ class Daemon:
         New attempts use the new config; a running attempt keeps the config it started with.
         """
         old = self.config
+        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             new = await anyio.to_thread.run_sync(lambda: load_config(old.config_file, **self.overrides))
         except ConfigError as exc:
             log.error("daemon.reload_failed", error=str(exc), config_file=str(old.config_file))
             raise
+        finally:
+            self.notifier.send("READY=1")  # a reload ends (failed or not): systemctl reload returns
         ignored = [k for k in _RESTART_ONLY if getattr(new, k) != getattr(old, k)]
         new = dataclasses.replace(new, **{k: getattr(old, k) for k in _RESTART_ONLY})
         changed = sorted(f.name for f in dataclasses.fields(Config) if getattr(new, f.name) != getattr(old, f.name))
