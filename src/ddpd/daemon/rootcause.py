@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import sysconfig
 from dataclasses import dataclass
+
+import msgspec
 
 from ..protocol.channel import Failure
 from ..protocol.control import RootCause
@@ -72,3 +77,83 @@ def pick_root_cause(evidence: list[Evidence], attempt: int, reason: str = "rank_
         traceback=None if ev.failure is None else ev.failure.traceback,
         detail=detail,
     )
+
+
+# -- hangs: where each rank's main thread was, from its faulthandler dump ------------------------
+
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)\s*$')
+_THREAD = ("Thread 0x", "Current thread 0x")
+_LIBRARY = ("<frozen ", *{p for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                          if (p := sysconfig.get_paths().get(key))})
+_DDPD = f"{os.sep}ddpd{os.sep}"
+
+
+@dataclass(frozen=True)
+class Frame:
+    path: str
+    line: int
+    func: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} in {self.func}"
+
+
+@dataclass(frozen=True)
+class StackSite:
+    """Where a rank's main thread was when its stacks were dumped."""
+
+    rank: int
+    innermost: Frame
+    where: Frame  # the innermost frame in the job's or ddpd's own code (not the stdlib, not a library)
+
+    @property
+    def in_torch(self) -> bool:
+        """Blocked inside torch (a collective, the autograd engine with DDP's hooks): waiting on peers."""
+        return f"{os.sep}torch{os.sep}" in self.innermost.path
+
+    def describe(self) -> str:
+        if self.in_torch:
+            return f"rank {self.rank} waiting in torch ({self.innermost.func}) at {self.where}"
+        return f"rank {self.rank} stuck at {self.where}"
+
+
+def main_thread_stack(dump: str) -> list[Frame] | None:
+    """The main thread's frames, innermost first, from faulthandler output (the first complete one)."""
+    frames: list[Frame] | None = None
+    for line in dump.splitlines():
+        if line.startswith(_THREAD):
+            frames = []
+            continue
+        match = _FRAME.match(line)
+        if match is None or frames is None:
+            frames = None
+            continue
+        frames.append(Frame(match["path"], int(match["line"]), match["func"]))
+        if match["func"] == "_run_module_as_main":  # the worker runs as `python -m ddpd.worker`
+            return frames
+    return None
+
+
+def locate(rank: int, dump: str) -> StackSite | None:
+    frames = main_thread_stack(dump)
+    if not frames:
+        return None
+    own = [f for f in frames if not f.path.startswith(_LIBRARY) or _DDPD in f.path]
+    return StackSite(rank=rank, innermost=frames[0], where=own[0] if own else frames[0])
+
+
+def explain_hang(cause: RootCause, sites: dict[int, StackSite]) -> RootCause:
+    """Add where each rank was to a hang's root cause; a rank stuck outside torch is named before
+    the ranks only waiting for it inside a collective."""
+    if not sites:
+        return cause
+    rank = cause.rank
+    if cause.ranks:
+        stuck = [r for r in cause.ranks if r in sites and not sites[r].in_torch]
+        waiting = [r for r in cause.ranks if r not in stuck]
+        if stuck:
+            rank = stuck[0]
+            cause = msgspec.structs.replace(cause, rank=rank, ranks=stuck + waiting)
+    order = sorted(sites, key=lambda r: (r != rank, r))
+    where = "; ".join(sites[r].describe() for r in order)
+    return msgspec.structs.replace(cause, detail=f"{cause.detail}; {where}" if cause.detail else where)

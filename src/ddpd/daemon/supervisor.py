@@ -42,7 +42,7 @@ from .config import Config
 from .jobs import Job, Journal, Rank, job_dir
 from .pool import WarmPool, pool_eligible
 from .rendezvous import Rendezvous, RendezvousError, open_rendezvous
-from .rootcause import Evidence, pick_root_cause
+from .rootcause import Evidence, StackSite, explain_hang, locate, pick_root_cause
 
 log = structlog.get_logger("ddpd")
 
@@ -98,6 +98,7 @@ class Attempt:
         self.outcome: Outcome | None = None
         self._concluded = anyio.Event()
         self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
+        self.stack_sites: dict[int, StackSite] = {}  # rank -> where its main thread hung (from its dump)
         self._signals_sent: set[str] = set()
         self._started = time.monotonic()
         self._start_ticks = boot_ticks()
@@ -159,6 +160,8 @@ class Attempt:
     def _finish_outcome(self, outcome: Outcome) -> Outcome:
         if outcome.state is JobState.FAILED and outcome.root_cause is None:
             outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
+        if outcome.hang and outcome.root_cause is not None:
+            outcome.root_cause = explain_hang(outcome.root_cause, self.stack_sites)
         return outcome
 
     def _evidence(self) -> list[Evidence]:
@@ -459,15 +462,22 @@ class Attempt:
         watched = (RankState.TRAINING,) if self.job.spec.script is not None else (RankState.JOINED, RankState.TRAINING)
         stalled = [h for h in live if h.rank.state in watched and h.rank.last_step_change is not None]
         if stalled:
+
+            def limit(h: Handle) -> float:
+                # between joining and the first step a rank sets up (optimizer, checkpoint, DDP): under
+                # load that outlasts a short progress timeout, so it gets at least the join timeout
+                return float(t["progress"] if h.rank.state is RankState.TRAINING else max(t["progress"], t["join"]))
+
             low = min(h.rank.step for h in stalled)
-            at = min((h.rank.last_step_change or 0.0) + t["progress"] for h in stalled)
+            at = min((h.rank.last_step_change or 0.0) + limit(h) for h in stalled)
             if now >= at:
-                stuck = [h.rank.rank for h in stalled if (h.rank.last_step_change or 0.0) + t["progress"] <= now]
+                overdue = [h for h in stalled if (h.rank.last_step_change or 0.0) + limit(h) <= now]
+                stuck = [h.rank.rank for h in overdue]
                 return None, Outcome(JobState.TIMED_OUT, "progress_timeout",
                                      RootCause(reason="progress_timeout", attempt=self.number, ranks=stuck,
-                                               rank=stuck[0], phase=RankState.TRAINING.value,
+                                               rank=stuck[0], phase=overdue[0].rank.state.value,
                                                detail=f"step counter of rank(s) {stuck} frozen at {low} for "
-                                                      f"{t['progress']:.0f}s"), hang=True)
+                                                      f"{limit(overdue[0]):.0f}s"), hang=True)
             deadlines.append(at)
         if t.get("wall") is not None and self.job.started_at is not None:
             at = self._started + t["wall"] - (time.time() - self.job.started_at - (now - self._started))
@@ -558,25 +568,42 @@ class Attempt:
                 except ProcessLookupError:
                     pass
 
+    async def _await_dumps(self, handles: list[Handle], sizes: dict[int, int]) -> None:
+        """Bounded: faulthandler answers nothing, so watch the logs until each holds a whole
+        main-thread stack (a dump is written line by line)."""
+        deadline = time.monotonic() + STACK_DUMP_WAIT
+        while time.monotonic() < deadline:
+            for h in handles:
+                if h.rank.rank not in self.stack_sites:
+                    site = locate(h.rank.rank, _tail(h.rank.log, sizes[h.rank.rank]))
+                    if site is not None:
+                        self.stack_sites[h.rank.rank] = site
+            if all(h.rank.rank in self.stack_sites for h in handles):
+                return
+            await anyio.sleep(0.02)
+
     async def _dump_stacks(self) -> None:
         live = self._live()
         sizes = {h.rank.rank: _size(h.rank.log) for h in live}
-        for h in live:
+        for h in live:  # faulthandler's C handler: answers even while a C call holds the GIL
             try:
                 os.kill(h.proc.pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
+        await self._await_dumps(live, sizes)
+        # then the reader thread, for ranks whose SIGUSR1 did not dump (a script may take SIGUSR1);
+        # one after the other, so that two dumps never interleave in one log
+        late = [h for h in live if h.rank.rank not in self.stack_sites]
+        for h in late:
             await h.channel.send(DumpStacks())
-        deadline = time.monotonic() + STACK_DUMP_WAIT
-        # bounded: faulthandler writes from its signal handler and answers nothing, so watch the logs grow
-        while time.monotonic() < deadline and any(_size(h.rank.log) <= sizes[h.rank.rank] for h in live):  # noqa: ASYNC110
-            await anyio.sleep(0.02)
+        await self._await_dumps(late, sizes)
         dumped = [h.rank.rank for h in live if _size(h.rank.log) > sizes[h.rank.rank]]
         for h in live:
             h.rank.stack_dump = h.rank.rank in dumped
             await self.journal.save_rank(self.job, h.rank)
         await self.journal.event(self.job, "job.stacks_dumped", ranks=dumped,
-                                 logs={str(h.rank.rank): h.rank.log for h in live})
+                                 logs={str(h.rank.rank): h.rank.log for h in live},
+                                 where={str(r): site.describe() for r, site in sorted(self.stack_sites.items())})
 
     async def _teardown(self) -> None:
         assert self.outcome is not None
@@ -594,6 +621,7 @@ class Attempt:
             await self.journal.event(self.job, "job.teardown", signal="SIGTERM", grace=grace,
                                      pgid=self.pgid, reason=outcome.reason)
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)  # a stopped rank (SIGSTOP) acts on SIGTERM only once continued
             if not await self._wait_all_exited(grace):
                 await self.journal.event(self.job, "job.teardown", signal="SIGKILL", pgid=self.pgid,
                                          ranks=[h.rank.rank for h in self._live()])
@@ -630,6 +658,18 @@ class Attempt:
                     await procs.wait_gone(p.pid)
             await self.journal.event(self.job, "job.leftover_killed", pids=[p.pid for p in leftovers])
         procs.reap_zombie_children({h.proc.pid for h in self.handles})
+
+
+def _tail(path: str | None, start: int, limit: int = 1 << 20) -> str:
+    """What a log gained since offset `start` (at most `limit` bytes)."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _size(path: str | None) -> int:
