@@ -1,0 +1,88 @@
+"""Helpers of the fault suite: timings per fault, proof that processes are gone, events of a job."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+
+import anyio
+
+from ddpd.protocol.control import EventView, JobView
+
+from ..conftest import DaemonProc, assert_gone
+
+PR_SET_CHILD_SUBREAPER = 36
+
+TIMINGS: list[str] = []
+
+
+def report_fault(name: str, fault_at: float, job: JobView) -> float:
+    """Print (and keep for the session summary) the time from the fault to the job's final state."""
+    assert job.finished_at is not None, job
+    seconds = job.finished_at - fault_at
+    line = f"FAULT {name}: {seconds:.2f} s to {job.state}"
+    TIMINGS.append(line)
+    print(line, flush=True)
+    return seconds
+
+
+def report_line(line: str) -> None:
+    TIMINGS.append(line)
+    print(line, flush=True)
+
+
+def become_subreaper() -> None:
+    """Orphans of a daemon killed with SIGKILL come to this test process (pid 1 here never reaps).
+
+    Only the pids a test names are ever reaped (`await_gone`), so other children are untouched.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2 :].split()[1])
+
+
+async def await_gone(pid: int, timeout: float) -> None:
+    """Wait (bounded) until `pid` has exited, reap it if it was reparented to us, prove it is gone."""
+    with anyio.fail_after(timeout):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            await anyio.wait_readable(fd)
+        finally:
+            os.close(fd)
+    _reap(pid)
+    assert_gone(pid)
+
+
+def _reap(pid: int) -> None:
+    """Reap `pid` if it is an exited orphan reparented to this process (never blocks)."""
+    if _parent(pid) == os.getpid():
+        os.waitpid(pid, os.WNOHANG)
+
+
+def child_pids(log_path: str) -> list[int]:
+    """The pids a `spawn_children_reporting` rank printed into its log."""
+    for line in Path(log_path).read_text().splitlines():
+        if line.startswith("CHILD_PIDS "):
+            return [int(p) for p in line.split()[1:]]
+    raise AssertionError(f"no CHILD_PIDS line in {log_path}")
+
+
+async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:
+    async with d.client.events(job_id) as stream:
+        return [e async for e in stream]
+
+
+def now() -> float:
+    return time.time()
