@@ -181,7 +181,7 @@ class WarmPool:
             return None
         finally:
             child_end.close()
-        log.debug("pool.worker_spawned", pid=proc.pid)
+        log.info("pool.worker_spawned", pid=proc.pid)
         return PoolWorker(proc, WorkerChannel(parent_end))
 
     async def _watch(self, w: PoolWorker) -> None:
