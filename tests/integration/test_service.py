@@ -253,7 +253,9 @@ async def test_socket_of_another_pid_is_not_adopted(short_tmp: Path) -> None:
 async def test_sigterm_checkpoints_requeues_and_resumes_after_restart(short_tmp: Path) -> None:
     async with anyio.create_task_group() as tg:
         d = await start_daemon(tg, short_tmp, "--cpu-slots", "2")
-        running_id = await d.client.submit(d.spec(task=SLOW, nproc=2, steps=80, options={"step_sleep": 0.05}))
+        # a generous grace: even on a loaded machine the ranks stop at a step boundary, unsignalled
+        running_id = await d.client.submit(d.spec(task=SLOW, nproc=2, steps=80, options={"step_sleep": 0.05},
+                                                  timeouts={"kill_grace": 30.0}))
         await d.wait_event(running_id, lambda e: e.kind == "rank.progress" and e.data["step"] >= 3)
         queued_id = await d.client.submit(d.spec(task="two-layer", nproc=1, steps=3))  # no slot free: waits
         before = await d.client.list_jobs()
