@@ -73,7 +73,7 @@ async def test_two_layer_succeeds_fifty_times_in_a_row(daemon: DaemonProc) -> No
 
 async def test_rank_that_never_joins_times_out_naming_it(daemon: DaemonProc) -> None:
     spec = daemon.spec(task="tests.tasks:hang_before_join", nproc=2, options={"rank": 1},
-                       timeouts={"join": 4.0, "kill_grace": 2.0})
+                       timeouts={"join": 15.0, "kill_grace": 2.0})
     job = await daemon.run(spec)
     assert job.state == JobState.TIMED_OUT
     assert job.root_cause is not None
