@@ -112,9 +112,20 @@ def spawn_children_reporting(ctx: TaskContext) -> Task:
 
 
 def hang_ignoring_sigterm(ctx: TaskContext) -> Task:
-    """Every rank ignores SIGTERM; rank `options["rank"]` blocks forever at step `options["at_step"]`."""
+    """Every rank ignores SIGTERM; rank `options["rank"]` prints ``HANGING`` and blocks forever at step
+    `options["at_step"]` (the line is the test's handshake: the rank is stuck from then on)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return hang_in_training(ctx)
+    at_step = int(ctx.options.get("at_step", 3))
+    task = two_layer(ctx)
+    if not _targets(ctx):
+        return task
+
+    def on_step(step: int) -> None:
+        if step == at_step:
+            print(f"HANGING at step {step}", flush=True)
+            threading.Event().wait()
+
+    return dataclasses.replace(task, on_step=on_step)
 
 
 def garbage_to_daemon(ctx: TaskContext) -> Task:

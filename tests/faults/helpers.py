@@ -79,6 +79,18 @@ def child_pids(log_path: str) -> list[int]:
     raise AssertionError(f"no CHILD_PIDS line in {log_path}")
 
 
+async def wait_rank_log(d: DaemonProc, job_id: str, rank: int, text: str, timeout: float = 120) -> None:
+    """Follow a rank's log through the daemon until `text` appears (a handshake printed by a test task)."""
+    seen = ""
+    with anyio.fail_after(timeout):
+        async with d.client.logs(job_id, rank=rank, follow=True) as chunks:
+            async for chunk in chunks:
+                seen += chunk.text
+                if text in seen:
+                    return
+    raise AssertionError(f"rank {rank} of {job_id} never logged {text!r}")
+
+
 async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:
     async with d.client.events(job_id) as stream:
         return [e async for e in stream]
