@@ -33,7 +33,7 @@ async def rank_reports(client: AsyncClient, job_id: str) -> dict[int, dict[str, 
 
 def state_is(state: str) -> Any:
     def match(e: EventView) -> bool:
-        return e.kind == "job.state_changed" and e.data.get("to") == state
+        return e.kind == "job.state_changed" and bool(e.data.get("to") == state)
 
     return match
 
