@@ -190,8 +190,9 @@ class Scheduler:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
                 return
             restarts_used = job.attempt - 1
+            out_of_time = outcome.reason == "wall_time"  # wall time counts from the first start
             if (outcome.state in (JobState.FAILED, JobState.TIMED_OUT) and restarts_used < job.spec.max_restarts
-                    and not job.cancel_requested and self.accepting):
+                    and not out_of_time and not job.cancel_requested and self.accepting):
                 await self.journal.job_state(job, JobState.RESTARTING, outcome.reason,
                                              root_cause=_rc(outcome))
                 continue

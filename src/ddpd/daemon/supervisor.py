@@ -98,6 +98,7 @@ class Attempt:
         self.outcome: Outcome | None = None
         self._concluded = anyio.Event()
         self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
+        self._warned = False  # the ranks were asked to stop before the wall-time limit
         self.stack_sites: dict[int, StackSite] = {}  # rank -> where its main thread hung (from its dump)
         self._signals_sent: set[str] = set()
         self._started = time.monotonic()
@@ -431,6 +432,12 @@ class Attempt:
             stopped = any(x.result is not None and x.result.stopped_early for x in self.handles)
             if stopped and self.job.cancel_requested:
                 self.conclude(Outcome(JobState.CANCELLED, self.job.cancel_requested))
+            elif stopped and self._warned:
+                step = max(x.rank.step for x in self.handles)
+                self.conclude(Outcome(JobState.TIMED_OUT, "wall_time", RootCause(
+                    reason="wall_time", attempt=self.number,
+                    detail=f"stopped at step {step} on the wall-time warning, {self._stop_warning_lead():.0f}s "
+                           f"before the {float(self.timeouts['wall']):.0f}s limit")))
             else:
                 self.conclude(Outcome(JobState.SUCCEEDED, "all ranks succeeded"))
 
@@ -479,14 +486,40 @@ class Attempt:
                                                detail=f"step counter of rank(s) {stuck} frozen at {low} for "
                                                       f"{limit(overdue[0]):.0f}s"), hang=True)
             deadlines.append(at)
-        if t.get("wall") is not None and self.job.started_at is not None:
-            at = self._started + t["wall"] - (time.time() - self.job.started_at - (now - self._started))
+        if (at := self._wall_at(now)) is not None:
             if now >= at:
                 return None, Outcome(JobState.TIMED_OUT, "wall_time",
                                      RootCause(reason="wall_time", attempt=self.number,
                                                detail=f"wall time of {t['wall']:.0f}s reached"))
             deadlines.append(at)
         return (min(deadlines) if deadlines else None), None
+
+    def _wall_at(self, now: float) -> float | None:
+        """When (monotonic) the job's wall time, counted from its first start, runs out."""
+        wall = self.timeouts.get("wall")
+        if wall is None or self.job.started_at is None:
+            return None
+        return now + float(wall) - (time.time() - self.job.started_at)
+
+    def _stop_warning_lead(self) -> float:
+        """How long before the wall-time limit the ranks are asked to stop: `stop_warning`, but never
+        more than half the wall time (a daemon default of 30 s must not stop a 20 s job at its start)."""
+        return min(float(self.timeouts["stop_warning"]), float(self.timeouts["wall"]) / 2)
+
+    def _stop_warning_at(self, now: float) -> float | None:
+        at = self._wall_at(now)
+        return None if at is None or self._warned else at - self._stop_warning_lead()
+
+    async def _warn_stop(self, now: float) -> None:
+        """Before the wall-time limit (as Slurm's --signal): every rank is asked to stop at a step
+        boundary and checkpoint. Ranks that then exit 0 end the job TIMED_OUT (wall_time) at once;
+        ranks that do not stop are torn down when the wall time runs out."""
+        self._warned = True
+        left = (self._wall_at(now) or now) - now
+        for h in self._live():
+            await h.channel.send(Stop(reason="wall_time_warning"))
+        await self.journal.event(self.job, "job.stop_warning", reason="wall_time_warning",
+                                 seconds_left=round(left, 3), wall=float(self.timeouts["wall"]))
 
     def _join_timeout(self, pending: list[Handle]) -> Outcome:
         """Name the ranks furthest behind; ranks already in init_process_group are only waiting for them."""
@@ -539,6 +572,12 @@ class Attempt:
                                          timeout=float(self.timeouts["heartbeat"]), state=h.rank.state.value)
             if warn_at is not None and (next_at is None or warn_at < next_at):
                 next_at = warn_at
+            stop_at = self._stop_warning_at(now)
+            if stop_at is not None and now >= stop_at:
+                await self._warn_stop(now)
+                continue
+            if stop_at is not None and (next_at is None or stop_at < next_at):
+                next_at = stop_at
             # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it later),
             # or until a frame starts a new deadline that may come sooner (bug: a 4 s progress timeout
             # used to wait for the 120 s join deadline the timer had gone to sleep on)
