@@ -34,7 +34,7 @@ class Plan:
     def make(cls, short: bool, reps: int | None = None, pool_size: int = 2, workers: int = 500) -> Plan:
         jobs = max(1, workers // 50)
         if short:
-            return cls(short, reps or 3, reps or 2, reps or 2, 100, 20, 512, 2.0, jobs, workers // jobs, 8.0, 20.0,
+            return cls(short, reps or 3, reps or 2, reps or 2, 60, 15, 512, 2.0, jobs, workers // jobs, 8.0, 20.0,
                        pool_size)
         return cls(short, reps or 7, reps or 5, reps or 3, 400, 50, 512, 5.0, jobs, workers // jobs, 30.0, 20.0,
                    pool_size)
