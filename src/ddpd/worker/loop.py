@@ -122,6 +122,7 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         if saved != step:
             checkpoint(runtime, assign, model, optimizer, step)
     checksum = sum(p.detach().double().sum().item() for p in ddp.module.parameters())
+    runtime.keepalive += [ddp, model, optimizer, data, task]
     dist.destroy_process_group()
     return Result(steps=step, loss=runtime.loss, checksum=checksum, stopped_early=stopped)
 

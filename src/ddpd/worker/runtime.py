@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ddpd.protocol.channel import DaemonMessage, WorkerMessage
 from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
@@ -88,6 +88,9 @@ class Runtime:
         self.step = 0
         self.loss: float | None = None
         self.phase = "starting"
+        # objects never to be freed before os._exit: destroying a DDP model after its process group
+        # can block in native code, so the worker leaves without running those destructors
+        self.keepalive: list[Any] = []
 
     def send(self, message: WorkerMessage) -> None:
         self.channel.send(message)
