@@ -47,6 +47,7 @@ from .rootcause import Evidence, StackSite, explain_hang, locate, pick_root_caus
 log = structlog.get_logger("ddpd")
 
 UNKILLABLE_WAIT = 5.0  # after SIGKILL: how long to wait before reporting a process as unkillable
+MAX_STEP = 2**63 - 1  # a step counter SQLite can store
 STACK_DUMP_WAIT = 1.0
 MISSED_HEARTBEATS = 2  # rank.heartbeat_missed once a rank is silent for more than this many intervals
 
@@ -327,6 +328,10 @@ class Attempt:
             async for msg in h.channel.frames():
                 now = time.monotonic()
                 rank.last_frame = now
+                if not 0 <= getattr(msg, "step", getattr(msg, "steps", 0)) <= MAX_STEP:
+                    # msgspec takes any 64-bit integer; SQLite stores signed ones, so a step of 2**64-1
+                    # would later fail a write (an internal error) instead of failing the rank now
+                    raise FrameError("bad_message", f"step out of range in {type(msg).__name__} frame")
                 if not isinstance(msg, Heartbeat | Progress):
                     self._replan.set()  # a hello or a phase change starts deadlines (heartbeat, progress)
                 match msg:
