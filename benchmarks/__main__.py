@@ -42,6 +42,7 @@ from .common import (
     state_is,
     stop_daemon,
     sweep,
+    why,
 )
 from .context import Ctx, Plan
 from .detect import bench_detect
@@ -81,7 +82,7 @@ async def warm_up(ctx: Ctx, d: Daemon) -> None:
     _, event = await d.events.wait(job_id, state_is(*FINAL), timeout=300)
     if event.data.get("to") != "SUCCEEDED":
         view = await d.client.status(job_id)
-        raise RuntimeError(f"{d.name}: the warm-up job ended {view.state}: {view.root_cause}\n{d.log_tail()}")
+        raise RuntimeError(f"{d.name}: the warm-up job ended {view.state}: {why(view.root_cause)}\n{d.log_tail()}")
 
 
 async def run(ctx: Ctx, names: list[str]) -> None:
@@ -90,9 +91,9 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         async with anyio.create_task_group() as tg:
             try:
                 ctx.say("starting the daemons (warm pool and cold) and one warm-up job each")
-                ctx.daemons[DDPD] = await start_daemon(ctx.base, "ddpd", config={"pool_size": ctx.plan.pool_size})
+                ctx.daemons[DDPD] = await start_daemon(ctx.base, DDPD, config={"pool_size": ctx.plan.pool_size})
                 if "launch" in names or "throughput" in names:
-                    ctx.daemons[DDPD_COLD] = await start_daemon(ctx.base, "ddpd-cold", config={"pool_size": 0})
+                    ctx.daemons[DDPD_COLD] = await start_daemon(ctx.base, DDPD_COLD, config={"pool_size": 0})
                 for d in ctx.daemons.values():
                     await tg.start(d.follow_events)
                 for d in ctx.daemons.values():

@@ -51,6 +51,13 @@ class BenchError(RuntimeError):
     pass
 
 
+def why(root_cause: Any) -> str:
+    """A root cause in one line (its detail), without the traceback it carries."""
+    if root_cause is None:
+        return "no root cause"
+    return f"{root_cause.reason}: {root_cause.detail or root_cause.message or ''}".strip()
+
+
 # -- the run's token, scratch space and final sweep ---------------------------------------
 
 

@@ -19,7 +19,7 @@ from functools import partial
 
 from ddpd.protocol import JobSpec
 
-from .common import DDPD, DDPD_COLD, FINAL, SPAWN, TORCHRUN_NAME, BenchError, Daemon, start_launcher, state_is
+from .common import DDPD, DDPD_COLD, FINAL, SPAWN, TORCHRUN_NAME, BenchError, Daemon, start_launcher, state_is, why
 from .context import Ctx
 
 CLASSIC_STEPS = 20
@@ -33,7 +33,7 @@ async def classic_ddpd(d: Daemon) -> tuple[float, float]:
     t_done, done = await d.events.wait(job_id, state_is(*FINAL))
     if running.data.get("to") != "RUNNING" or done.data.get("to") != "SUCCEEDED":
         view = await d.client.status(job_id)
-        raise BenchError(f"{d.name}: job {job_id} ended {view.state}: {view.root_cause}")
+        raise BenchError(f"{d.name}: job {job_id} ended {view.state}: {why(view.root_cause)}")
     return t_running - t0, t_done - t0
 
 

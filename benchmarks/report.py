@@ -55,7 +55,7 @@ def results_table(results: Results) -> Table:
         first = True
         for launcher in sorted(metric.series, key=lambda n: ORDER.index(n) if n in ORDER else 99):
             s = metric.series[launcher]
-            compare = launcher.startswith(DDPD) and len(metric.series) > 1
+            compare = launcher.startswith(DDPD) and (TORCHRUN_NAME in metric.series or SPAWN in metric.series)
             table.add_row(
                 metric.bench if metric.bench != last_bench else "",
                 metric.name if first else "",

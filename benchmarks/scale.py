@@ -36,6 +36,7 @@ from .common import (
     start_daemon,
     state_is,
     stop_daemon,
+    why,
 )
 from .context import Ctx
 
@@ -57,7 +58,7 @@ async def run_scale(ctx: Ctx, d: Daemon) -> None:
         _, event = await d.events.wait(job_id, state_is("RUNNING", *FINAL), timeout=300)
         if event.data.get("to") != "RUNNING":
             view = await d.client.status(job_id)
-            raise BenchError(f"simulated job {job_id} ended {view.state}: {view.root_cause}")
+            raise BenchError(f"simulated job {job_id} ended {view.state}: {why(view.root_cause)}")
     started = time.perf_counter() - t0
     res.metric("scale_start", "daemon at scale", f"{label}: submit → all RUNNING", "s").add(DDPD, started)
     ctx.say(f"  {n} simulated workers running after {started:.1f}s")

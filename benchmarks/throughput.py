@@ -35,6 +35,7 @@ from .common import (
     rss_mib,
     start_launcher,
     state_is,
+    why,
 )
 from .context import Ctx
 
@@ -59,7 +60,7 @@ async def throughput_ddpd(ctx: Ctx, d: Daemon) -> tuple[float, float, float]:
     _, done = await d.events.wait(job_id, state_is(*FINAL), timeout=120)
     if done.data.get("to") != "SUCCEEDED":
         view = await d.client.status(job_id)
-        raise BenchError(f"mlp job {job_id} ended {view.state}: {view.root_cause}")
+        raise BenchError(f"mlp job {job_id} ended {view.state}: {why(view.root_cause)}")
     progress = [e for _, e in d.events.by_job[job_id] if steady(e)]
     if len(progress) < 2 or progress[-1].ts <= progress[0].ts:
         raise BenchError(f"too few progress events after warm-up ({len(progress)}); raise the step count")
