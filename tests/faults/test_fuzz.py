@@ -128,6 +128,7 @@ CHANNEL_GARBAGE = {
 }
 
 
+@pytest.mark.slow
 async def test_worker_channel_garbage_end_to_end(daemon: DaemonProc) -> None:
     """A real rank writes garbage onto its channel mid-training: that job fails with a protocol error
     naming the rank; the daemon and a healthy job next to it are untouched."""

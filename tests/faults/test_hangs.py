@@ -56,6 +56,7 @@ async def test_rank_stuck_while_its_peer_waits_in_a_collective(daemon: DaemonPro
     assert_nothing_left([job])
 
 
+@pytest.mark.slow
 async def test_rank_stuck_before_init_process_group(daemon: DaemonProc) -> None:
     """Rank 1 hangs in its task factory (before the store); rank 0 waits in init_process_group."""
     spec = daemon.spec(task="tests.tasks:hang_before_join", nproc=2, options={"rank": 1},
