@@ -711,12 +711,18 @@ def _daemon_grid(info: DaemonInfo) -> Table:
         ("state dir", info.state_dir),
         ("running", str(info.running)),
         ("queued", str(info.queued)),
-        ("cpu slots", str(info.cpu_slots)),
-        ("gpus", str(info.gpus)),
+        ("cpu slots", _free_of(info.free_cpu_slots, info.cpu_slots)),
+        ("gpus", _free_of(info.free_gpus, info.gpus)),
     ]
+    if info.pool_ready is not None:
+        rows.append(("warm pool", f"{info.pool_ready} ready"))
     for key, value in rows:
         grid.add_row(key, Text(value))
     return grid
+
+
+def _free_of(free: int | None, total: int) -> str:
+    return str(total) if free is None else f"{free} free of {total}"
 
 
 @cli.command()

@@ -71,7 +71,8 @@ class Daemon:
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(),
             uptime=round(time.monotonic() - self.started, 3), socket=str(self._socket_path),
             state_dir=str(self.config.state_dir), running=running, queued=queued,
-            cpu_slots=res.total_cpu, gpus=res.total_gpus,
+            cpu_slots=res.total_cpu, gpus=res.total_gpus, free_cpu_slots=res.free_cpu,
+            free_gpus=len(res.free_gpus), pool_ready=None if Attempt.pool is None else len(Attempt.pool.ready_pids),
         )
 
     async def reload(self) -> None:

@@ -180,3 +180,6 @@ class DaemonInfo(msgspec.Struct):
     queued: int
     cpu_slots: int
     gpus: int
+    free_cpu_slots: int | None = None
+    free_gpus: int | None = None
+    pool_ready: int | None = None
