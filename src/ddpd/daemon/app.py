@@ -169,6 +169,7 @@ class Daemon:
                 tg.start_soon(self._follow_status, bus)
                 pool = WarmPool(cfg)  # warm workers (pool_size 0: none, every rank starts cold)
                 Attempt.pool = pool if pool.size else None
+                pool.busy_ranks = scheduler.busy_ranks
                 await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
                 tg.start_soon(listener.serve, server.handle)

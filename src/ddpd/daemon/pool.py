@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -79,6 +80,10 @@ def pool_env() -> dict[str, str]:
     for key in SYSTEMD_ENV:
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
+    # torch must not size its intra-op pool to every core before the rank's count is known: started
+    # with the default, a pooled rank trained 2x slower after set_num_threads(1) than a cold one; from 1
+    # the rank raises it on Assign (OMP_NUM_THREADS in Assign.env) without that cost
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
@@ -107,6 +112,16 @@ class WarmPool:
         self._wake = anyio.Event()
         self._failures = 0  # consecutive deaths before hello
         self._closing = False
+        self._cores = len(os.sched_getaffinity(0))
+        self.busy_ranks: Callable[[], int] = lambda: 0  # CPU-busy ranks of running jobs (set by the app)
+
+    def poke(self) -> None:
+        """Something freed cores (a job ended): refill if the pool is short."""
+        self._wake.set()
+
+    def _idle_core(self) -> bool:
+        """Refill only onto idle cores: importing torch (seconds of CPU) must not slow a running job."""
+        return self.busy_ranks() + len(self._starting) < self._cores
 
     # -- for attempts ----------------------------------------------------------------------
 
@@ -156,7 +171,7 @@ class WarmPool:
             delay = min(BACKOFF_MAX, 2.0 ** (self._failures - 1))
             log.warning("pool.backoff", seconds=delay, failures=self._failures)
             await anyio.sleep(delay)
-        while not self._closing and len(self._ready) + len(self._starting) < self.size:
+        while not self._closing and len(self._ready) + len(self._starting) < self.size and self._idle_core():
             w = self._spawn()
             if w is None:
                 self._failures += 1
@@ -206,6 +221,7 @@ class WarmPool:
                 self._failures = 0
                 w.hello = hello
                 self._ready.append(w)
+                self._wake.set()  # its core is free again: the next one may start
                 log.info("pool.worker_ready", pid=w.pid, seconds=round(time.monotonic() - w.spawned_at, 3),
                          ready=len(self._ready), size=self.size)
                 exit_ = await procs.wait_exit(w.proc)

@@ -73,6 +73,10 @@ class Scheduler:
 
     # -- queries ---------------------------------------------------------------------------
 
+    def busy_ranks(self) -> int:
+        """Ranks of running jobs that occupy a CPU (GPU jobs mostly wait on their devices)."""
+        return sum(self.jobs[j].spec.nproc for j in self.running if self.jobs[j].spec.gpus_per_rank == 0)
+
     def counts(self) -> tuple[int, int]:
         queued = sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
         return len(self.running), queued
@@ -169,6 +173,8 @@ class Scheduler:
             self.attempts.pop(job.id, None)
             if not self.running:
                 self._idle.set()
+            if Attempt.pool is not None:
+                Attempt.pool.poke()
             self._notify()
 
     async def _attempts(self, job: Job) -> None:

@@ -429,11 +429,12 @@ class Attempt:
         if not exit_.ok:
             self._fail(h)
         h.exited.set()
+        if not exit_.ok:  # decided before the journal write: teardown of the peers starts at once
+            self.conclude(Outcome(JobState.FAILED, "rank_failed"))
         await self.journal.rank_state(self.job, rank, RankState.EXITED, "rank.exited",
                                       exit_code=exit_.code, signal=exit_.signal)
-        if not exit_.ok:
-            self.conclude(Outcome(JobState.FAILED, "rank_failed"))
-        elif all(x.exit is not None and x.exit.ok for x in self.handles) and len(self.handles) == self.job.spec.nproc:
+        if exit_.ok and len(self.handles) == self.job.spec.nproc and all(
+                x.exit is not None and x.exit.ok for x in self.handles):
             stopped = any(x.result is not None and x.result.stopped_early for x in self.handles)
             if stopped and self.job.cancel_requested:
                 self.conclude(Outcome(JobState.CANCELLED, self.job.cancel_requested))
