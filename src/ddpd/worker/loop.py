@@ -88,30 +88,30 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     if device.type == "cuda" and ctx.options.get("bf16"):
         autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     data = batch_source(task, ctx, start * accumulate)
-    vote_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    vote = StopVote(runtime, device if dist.get_backend() == "nccl" else torch.device("cpu"))
 
     runtime.step = start
     set_phase(runtime, "training")
     step, stopped = start, False
     while step < spec.steps:
-        if agree_to_stop(runtime, vote_device):
+        if vote.agreed():
             stopped = True
             break
         step += 1
         if task.on_step is not None:
             task.on_step(step)
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=device)
+        losses = []
         for micro in range(accumulate):
             batch = next(data)
             sync = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
             with sync:
                 with autocast():
                     loss = task.loss(forward(ddp, batch), batch)
-                (loss / accumulate).backward()
-            total += loss.detach().float()
+                (loss / accumulate if accumulate > 1 else loss).backward()
+            losses.append(loss.detach())
         optimizer.step()
-        runtime.loss = total.item() / accumulate
+        runtime.loss = (losses[0] if accumulate == 1 else torch.stack(losses).float().mean()).item()
         runtime.step = step
         runtime.send(Progress(step=step, loss=runtime.loss))
         if spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0:
@@ -121,17 +121,44 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         set_phase(runtime, "stopping")
         if saved != step:
             checkpoint(runtime, assign, model, optimizer, step)
+    vote.close()
     checksum = sum(p.detach().double().sum().item() for p in ddp.module.parameters())
     runtime.keepalive += [ddp, model, optimizer, data, task]
     dist.destroy_process_group()
     return Result(steps=step, loss=runtime.loss, checksum=checksum, stopped_early=stopped)
 
 
-def agree_to_stop(runtime: Runtime, device: Any) -> bool:
-    """All ranks vote (all_reduce MAX): one rank asked to stop stops them all at the same step."""
-    flag = torch.tensor([1 if runtime.stop_requested.is_set() else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+class StopVote:
+    """All ranks agree to stop at the same step: one rank asked to stop stops them all.
+
+    The vote is an `all_reduce(MAX)` of a one-element flag, launched asynchronously at the start
+    of a step and read at the start of the next, so it overlaps the step's compute instead of
+    adding a blocking collective to every step (a stop takes effect one step later).
+    """
+
+    def __init__(self, runtime: Runtime, device: Any) -> None:
+        self.runtime = runtime
+        self.device = device
+        self.pending: tuple[Any, Any] | None = None
+
+    def agreed(self) -> bool:
+        stop = False
+        if self.pending is not None:
+            work, flag = self.pending
+            work.wait()
+            stop = bool(flag.item())
+            self.pending = None
+        if not stop:
+            flag = torch.tensor([1 if self.runtime.stop_requested.is_set() else 0], dtype=torch.int32,
+                                device=self.device)
+            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return stop
+
+    def close(self) -> None:
+        """Every rank launched the same votes: wait for the last one before leaving the group."""
+        if self.pending is not None:
+            self.pending[0].wait()
+            self.pending = None
 
 
 def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, step: int) -> int:
