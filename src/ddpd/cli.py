@@ -438,7 +438,7 @@ def _seconds_option(name: str, help: str) -> Callable[[F], F]:
 @_seconds_option("--progress-timeout", "Seconds without a step before the job counts as hung.")
 @_seconds_option("--wall-time", "Wall-clock limit of the job in seconds.")
 @_seconds_option("--kill-grace", "Seconds between SIGTERM and SIGKILL.")
-@_seconds_option("--stop-warning", "Seconds a graceful stop may take before the kill.")
+@_seconds_option("--stop-warning", "Seconds before the wall time at which ranks are asked to checkpoint and stop.")
 @click.option("--max-restarts", type=int, default=None, metavar="N")
 @click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps.")
 @click.option("--priority", type=int, default=None, metavar="N")
