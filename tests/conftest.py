@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,11 +162,12 @@ def short_tmp() -> Any:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-async def daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
-    """A real daemon; afterwards it is stopped and every process of every job is proven gone."""
+@asynccontextmanager
+async def running_daemon(base: Path, *flags: str) -> AsyncIterator[DaemonProc]:
+    """A real daemon for the block; afterwards it is stopped (exit 0) and every process of every job
+    is proven gone."""
     async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, short_tmp)
+        d = await start_daemon(tg, base, *flags)
         try:
             yield d
         finally:
@@ -177,3 +179,9 @@ async def daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
             assert rc == 0, f"daemon exited with {rc}"
             assert_nothing_left(jobs)
             tg.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
+    async with running_daemon(short_tmp) as d:
+        yield d

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 
+from ddpd.daemon.procs import wait_gone
 from ddpd.protocol.control import EventView, JobView
 
 from ..conftest import DaemonProc, assert_gone
@@ -53,14 +54,7 @@ def _parent(pid: int) -> int | None:
 async def await_gone(pid: int, timeout: float) -> None:
     """Wait (bounded) until `pid` has exited, reap it if it was reparented to us, prove it is gone."""
     with anyio.fail_after(timeout):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return
-        try:
-            await anyio.wait_readable(fd)
-        finally:
-            os.close(fd)
+        await wait_gone(pid)
     _reap(pid)
     assert_gone(pid)
 

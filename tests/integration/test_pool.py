@@ -18,9 +18,9 @@ import anyio
 import pytest
 
 from ddpd.protocol import JobState
-from ddpd.protocol.control import EventView, JobView
+from ddpd.protocol.control import EventView
 
-from ..conftest import DaemonProc, assert_gone, assert_nothing_left, start_daemon, stop_daemon
+from ..conftest import DaemonProc, assert_gone, assert_nothing_left, running_daemon
 
 pytestmark = pytest.mark.anyio
 
@@ -59,23 +59,12 @@ async def _events(d: DaemonProc, job_id: str) -> list[EventView]:
 @pytest.fixture
 async def pool_daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
     """A daemon with a warm pool; afterwards nothing of any job, and no pool worker, is left."""
-    async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, short_tmp, "--pool-size", str(POOL), "--cpu-slots", "4")
-        try:
-            yield d
-        finally:
-            jobs: list[JobView] = []
-            if d.proc.returncode is None:
-                with anyio.fail_after(30):
-                    jobs = await d.client.list_jobs()
-            rc = await stop_daemon(d)
-            assert rc == 0, f"daemon exited with {rc}"
-            assert_nothing_left(jobs)
-            seen = pool_pids_seen(d)
-            assert seen, "no pool worker was ever started"
-            for pid in seen:
-                assert_gone(pid)
-            tg.cancel_scope.cancel()
+    async with running_daemon(short_tmp, "--pool-size", str(POOL), "--cpu-slots", "4") as d:
+        yield d
+    seen = pool_pids_seen(d)
+    assert seen, "no pool worker was ever started"
+    for pid in seen:
+        assert_gone(pid)
 
 
 async def test_two_layer_runs_on_pooled_workers_and_the_pool_refills(pool_daemon: DaemonProc) -> None:
