@@ -14,6 +14,7 @@ import anyio.to_thread
 import structlog
 
 from ..protocol import JobSpec, JobState, SpecError, check_spec
+from ..protocol.control import RootCause
 from .config import Config
 from .jobs import Job, Journal, job_from_row, rank_from_row
 from .procs import find_members, proc_environ_has
@@ -207,12 +208,9 @@ class Scheduler:
             return
 
     async def _fail_internal(self, job: Job, exc: Exception) -> None:
-        from ..protocol.control import RootCause
-
         if job.state.final:
             return
         job.root_cause = RootCause(reason="internal_error", attempt=job.attempt, detail=repr(exc))
-        job.state = JobState.RUNNING if job.state is JobState.QUEUED else job.state
         await self.journal.job_state(job, JobState.FAILED, "internal_error")
         await self._finished_event(job)
 
@@ -260,8 +258,6 @@ class Scheduler:
                 if restarts_used <= job.spec.max_restarts:
                     await self.journal.job_state(job, JobState.QUEUED, "daemon_restart", killed=killed)
                 else:
-                    from ..protocol.control import RootCause
-
                     job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
                                                detail="the daemon stopped while the job was running")
                     await self.journal.job_state(job, JobState.FAILED, "daemon_restart", killed=killed)
