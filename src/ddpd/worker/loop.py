@@ -9,7 +9,9 @@ vote, and finish with the parameter checksum and ``destroy_process_group``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -88,13 +90,13 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     if device.type == "cuda" and ctx.options.get("bf16"):
         autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     data = batch_source(task, ctx, start * accumulate)
-    vote = StopVote(runtime, device if dist.get_backend() == "nccl" else torch.device("cpu"))
+    vote = StopVote(runtime, device if dist.get_backend() == "nccl" else torch.device("cpu"), start)
 
     runtime.step = start
     set_phase(runtime, "training")
     step, stopped = start, False
     while step < spec.steps:
-        if vote.agreed():
+        if vote.agreed(step):
             stopped = True
             break
         step += 1
@@ -121,7 +123,6 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         set_phase(runtime, "stopping")
         if saved != step:
             checkpoint(runtime, assign, model, optimizer, step)
-    vote.close()
     checksum = sum(p.detach().double().sum().item() for p in ddp.module.parameters())
     runtime.keepalive += [ddp, model, optimizer, data, task]
     dist.destroy_process_group()
@@ -131,34 +132,35 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
 class StopVote:
     """All ranks agree to stop at the same step: one rank asked to stop stops them all.
 
-    The vote is an `all_reduce(MAX)` of a one-element flag, launched asynchronously at the start
-    of a step and read at the start of the next, so it overlaps the step's compute instead of
-    adding a blocking collective to every step (a stop takes effect one step later).
+    A vote is an `all_reduce(MAX)` of [stop flag, steps until the next vote]. Each rank proposes
+    enough steps to fill VOTE_INTERVAL seconds at its own pace; the maximum is what all ranks
+    use, so they vote at the same steps, about every VOTE_INTERVAL seconds (every step when steps
+    are slower than that) instead of paying a collective every step.
     """
 
-    def __init__(self, runtime: Runtime, device: Any) -> None:
+    VOTE_INTERVAL = 0.25
+    MAX_STEPS_BETWEEN = 1000
+
+    def __init__(self, runtime: Runtime, device: Any, start: int) -> None:
         self.runtime = runtime
         self.device = device
-        self.pending: tuple[Any, Any] | None = None
+        self.next_vote = start
+        self.last_step = start
+        self.last_time = time.monotonic()
 
-    def agreed(self) -> bool:
-        stop = False
-        if self.pending is not None:
-            work, flag = self.pending
-            work.wait()
-            stop = bool(flag.item())
-            self.pending = None
-        if not stop:
-            flag = torch.tensor([1 if self.runtime.stop_requested.is_set() else 0], dtype=torch.int32,
-                                device=self.device)
-            self.pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return stop
-
-    def close(self) -> None:
-        """Every rank launched the same votes: wait for the last one before leaving the group."""
-        if self.pending is not None:
-            self.pending[0].wait()
-            self.pending = None
+    def agreed(self, step: int) -> bool:
+        """Called before each step with the number of steps done."""
+        if step < self.next_vote:
+            return False
+        now = time.monotonic()
+        done = step - self.last_step
+        propose = 1 if done <= 0 else math.ceil(self.VOTE_INTERVAL / max((now - self.last_time) / done, 1e-6))
+        flag = torch.tensor([1 if self.runtime.stop_requested.is_set() else 0,
+                             min(self.MAX_STEPS_BETWEEN, max(1, propose))], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        stop, steps = (int(v) for v in flag.tolist())
+        self.next_vote, self.last_step, self.last_time = step + steps, step, now
+        return bool(stop)
 
 
 def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, step: int) -> int:
