@@ -84,6 +84,10 @@ async def test_daemon_killed_then_recovered(short_tmp: Path) -> None:
             children = [pid for r in views[0].ranks for pid in child_pids(r.log or "")]
             killed_at, killed_wall = time.monotonic(), now()
             d.proc.send_signal(signal.SIGKILL)
+            # reaped first: until the daemon has fully exited, a worker that died at once may still
+            # be the dying daemon's zombie rather than ours to reap
+            with anyio.fail_after(10):
+                await d.proc.wait()
             for pid in workers:
                 await await_gone(pid, 2.0)
             report_line(f"FAULT daemon-sigkill: {time.monotonic() - killed_at:.2f} s until all "

@@ -155,6 +155,8 @@ async def test_queue_survives_a_daemon_restart_in_order(short_tmp: Path) -> None
             q1 = await d.client.submit(d.spec(name="q1", steps=1))
             q2 = await d.client.submit(d.spec(name="q2", steps=1, priority=1))
             q3 = await d.client.submit(d.spec(name="q3", steps=1))
+            # counted here: the restarted daemon starts the head of the queue as soon as it is ready
+            starts_before = len(await _starts(d))
         finally:
             before = await _stop(d, tg)
     assert_nothing_left(before)
@@ -162,7 +164,6 @@ async def test_queue_survives_a_daemon_restart_in_order(short_tmp: Path) -> None
     async with anyio.create_task_group() as tg:
         d = await start_daemon(tg, short_tmp, "--cpu-slots", "1", state_dir=state)
         try:
-            starts_before = len(await _starts(d))
             # the running job stopped gracefully at the shutdown and went back to the queue, in its place
             async with d.client.events(blocker) as stream:
                 requeued = [e async for e in stream if e.kind == "job.state_changed" and e.data["to"] == "QUEUED"]
