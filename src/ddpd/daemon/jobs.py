@@ -157,7 +157,6 @@ class Journal:
     def __init__(self, db: StateDB, bus: EventBus) -> None:
         self.db = db
         self.bus = bus
-        self.on_change: list[Any] = []  # callables run after each job state change
 
     async def event(
         self, job: Job | None, kind: str, *, rank: int | None = None, persist: bool = True, **data: Any
@@ -194,8 +193,6 @@ class Journal:
         await self.save_job(job)
         data.update({"from": old.value, "to": new.value, "reason": reason})
         await self.event(job, "job.state_changed", **data)
-        for callback in self.on_change:
-            callback()
         if new.final:
             job.finished.set()
 
@@ -255,3 +252,12 @@ def rank_from_row(row: Any) -> Rank:
 
 def job_dir(state_dir: Path, job_id: str) -> Path:
     return state_dir / "jobs" / job_id
+
+
+def attempt_dir(state_dir: Path, job_id: str, attempt: int) -> Path:
+    return job_dir(state_dir, job_id) / f"attempt-{attempt}"
+
+
+def rank_log(state_dir: Path, job_id: str, attempt: int, rank: int) -> Path:
+    """Where a rank's stdout and stderr go (the supervisor writes it, `logs` reads it)."""
+    return attempt_dir(state_dir, job_id, attempt) / f"rank-{rank}.log"

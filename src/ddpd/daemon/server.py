@@ -6,7 +6,6 @@ import grp
 import os
 import socket
 import struct
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from ..protocol.control import (
     SubmitResult,
     Wait,
 )
-from .jobs import Job
+from .jobs import Job, rank_log
 from .scheduler import Scheduler
 
 log = structlog.get_logger("ddpd")
@@ -216,7 +215,7 @@ class ControlServer:
         def read_new() -> list[LogChunk]:
             out: list[LogChunk] = []
             for r in ranks:
-                path = self.scheduler.config.state_dir / "jobs" / job.id / f"attempt-{attempt}" / f"rank-{r}.log"
+                path = rank_log(self.scheduler.config.state_dir, job.id, attempt, r)
                 try:
                     with open(path, "rb") as f:
                         f.seek(offsets[r])
@@ -275,7 +274,3 @@ class ControlServer:
         finally:
             if live is not None:
                 live.close()
-
-
-def uptime_since(start: float) -> float:
-    return round(time.monotonic() - start, 3)

@@ -39,7 +39,7 @@ from ..protocol.control import RootCause
 from . import procs
 from .channel import WorkerChannel
 from .config import Config
-from .jobs import Job, Journal, Rank, job_dir
+from .jobs import Job, Journal, Rank, attempt_dir, job_dir, rank_log
 from .pool import WarmPool, pool_eligible
 from .rendezvous import Rendezvous, RendezvousError, open_rendezvous
 from .rootcause import Evidence, StackSite, explain_hang, locate, pick_root_cause
@@ -104,7 +104,7 @@ class Attempt:
         self._signals_sent: set[str] = set()
         self._started = time.monotonic()
         self._start_ticks = boot_ticks()
-        self.dir = job_dir(config.state_dir, job.id) / f"attempt-{number}"
+        self.dir = attempt_dir(config.state_dir, job.id, number)
         self.checkpoint_dir = job_dir(config.state_dir, job.id) / "checkpoints"
         self.log = log.bind(job_id=job.id, attempt=number)
 
@@ -234,7 +234,7 @@ class Attempt:
         for r in range(job.spec.nproc):
             if self.outcome is not None:
                 return
-            log_path = self.dir / f"rank-{r}.log"
+            log_path = rank_log(self.config.state_dir, job.id, self.number, r)
             taken = pool.take() if pool is not None else None
             if taken is not None:
                 await self._adopt(tg, rdzv, r, log_path, *taken)
