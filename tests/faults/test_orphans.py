@@ -105,7 +105,11 @@ async def test_daemon_killed_then_recovered(short_tmp: Path) -> None:
             # from the kill to FAILED, a daemon restart (about its start-up time) included
             report_fault("daemon-sigkill, then restart (job without restarts left)", killed_wall, failed)
             killed = next(e for e in await events_of(d, doomed) if e.kind == "job.leftover_killed")
-            assert set(children) <= set(killed.data["pids"]), (children, killed.data)
+            # the setsid escapees outlive their ranks until this restart; a rank's in-group child may
+            # already have gone with its group (a rank that read its channel's end before pdeathsig
+            # struck kills its own group) or be killed here: nothing outside the job is ever signalled
+            escapees = children[1::2]
+            assert set(escapees) <= set(killed.data["pids"]) <= set(children), (children, killed.data)
             for pid in children:
                 await await_gone(pid, 10)
             with anyio.fail_after(180):
