@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ddpd.worker.tasks import Task, TaskContext, two_layer
@@ -41,51 +42,42 @@ def hang_before_join(ctx: TaskContext) -> Task:
     return two_layer(ctx)
 
 
-def hang_in_training(ctx: TaskContext) -> Task:
-    """Rank `options["rank"]` blocks forever in Python at step `options["at_step"]`."""
-    at_step = int(ctx.options.get("at_step", 3))
-    task = two_layer(ctx)
+def _at_step(ctx: TaskContext, task: Task, action: Callable[[int], None], default_step: int = 3) -> Task:
+    """`task`, where rank `options["rank"]` runs `action(step)` at step `options["at_step"]`."""
+    at_step = int(ctx.options.get("at_step", default_step))
     if not _targets(ctx):
         return task
 
     def on_step(step: int) -> None:
         if step == at_step:
-            threading.Event().wait()
+            action(step)
 
     return dataclasses.replace(task, on_step=on_step)
+
+
+def _hang(step: int) -> None:
+    """Prints ``HANGING at step N`` (a test's handshake: the rank is stuck from then on) and blocks forever."""
+    print(f"HANGING at step {step}", flush=True)
+    threading.Event().wait()
+
+
+def _fail(step: int) -> None:
+    raise RuntimeError("injected failure")
+
+
+def hang_in_training(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` blocks forever in Python at step `options["at_step"]`."""
+    return _at_step(ctx, two_layer(ctx), _hang)
 
 
 def fail_at_step(ctx: TaskContext) -> Task:
     """Rank `options["rank"]` raises RuntimeError("injected failure") at step `options["at_step"]`."""
-    at_step = int(ctx.options.get("at_step", 3))
-    task = two_layer(ctx)
-    if not _targets(ctx):
-        return task
-
-    def on_step(step: int) -> None:
-        if step == at_step:
-            raise RuntimeError("injected failure")
-
-    return dataclasses.replace(task, on_step=on_step)
+    return _at_step(ctx, two_layer(ctx), _fail)
 
 
 def slow(ctx: TaskContext) -> Task:
     """two-layer with `options["step_sleep"]` seconds (0.05) of sleep per step."""
     return _slowed(two_layer(ctx), float(ctx.options.get("step_sleep", 0.05)))
-
-
-def ignore_sigterm(ctx: TaskContext) -> Task:
-    """Ignores SIGTERM (only SIGKILL ends it), then trains slowly."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return slow(ctx)
-
-
-def spawn_children(ctx: TaskContext) -> Task:
-    """Starts `sleep 1000` in its group and a setsid() escapee, then trains slowly."""
-    _children.append(subprocess.Popen(["sleep", "1000"]))
-    _children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"],
-                                      start_new_session=True))
-    return slow(ctx)
 
 
 def regression(ctx: TaskContext) -> Task:
@@ -103,7 +95,8 @@ def regression(ctx: TaskContext) -> Task:
 
 
 def spawn_children_reporting(ctx: TaskContext) -> Task:
-    """Like spawn_children, and prints ``CHILD_PIDS <in-group> <setsid-escapee>`` to the rank's log."""
+    """Starts `sleep 1000` in its group and a setsid() escapee, prints ``CHILD_PIDS <in-group> <escapee>``
+    to the rank's log, then trains slowly."""
     in_group = subprocess.Popen(["sleep", "1000"])
     escaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"], start_new_session=True)
     _children.extend((in_group, escaped))
@@ -112,20 +105,9 @@ def spawn_children_reporting(ctx: TaskContext) -> Task:
 
 
 def hang_ignoring_sigterm(ctx: TaskContext) -> Task:
-    """Every rank ignores SIGTERM; rank `options["rank"]` prints ``HANGING`` and blocks forever at step
-    `options["at_step"]` (the line is the test's handshake: the rank is stuck from then on)."""
+    """Every rank ignores SIGTERM; rank `options["rank"]` hangs at step `options["at_step"]` (see `_hang`)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    at_step = int(ctx.options.get("at_step", 3))
-    task = two_layer(ctx)
-    if not _targets(ctx):
-        return task
-
-    def on_step(step: int) -> None:
-        if step == at_step:
-            print(f"HANGING at step {step}", flush=True)
-            threading.Event().wait()
-
-    return dataclasses.replace(task, on_step=on_step)
+    return hang_in_training(ctx)
 
 
 def garbage_to_daemon(ctx: TaskContext) -> Task:
@@ -136,18 +118,15 @@ def garbage_to_daemon(ctx: TaskContext) -> Task:
     """
     import os
 
-    at_step = int(ctx.options.get("at_step", 2))
-    task = slow(ctx)
     if not _targets(ctx):
-        return task
+        return slow(ctx)
     fd = int(sys.argv[sys.argv.index("--fd") + 1])  # the worker's inherited channel socket
     size = int(ctx.options.get("garbage_size", 0))
     data = b"x" * size if size else str(ctx.options.get("garbage", "{not json")).encode() + b"\n"
 
-    def on_step(step: int) -> None:
-        if step == at_step:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+    def write(step: int) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
 
-    return dataclasses.replace(task, on_step=on_step)
+    return _at_step(ctx, slow(ctx), write, default_step=2)

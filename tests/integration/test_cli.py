@@ -12,7 +12,7 @@ import anyio
 import pytest
 from anyio.abc import Process
 
-from ..conftest import REPO, DaemonProc, assert_nothing_left, start_daemon, stop_daemon
+from ..conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import wait_state
 
 pytestmark = pytest.mark.anyio
@@ -151,49 +151,41 @@ async def test_submit_follow_exit_codes_and_bad_specs(daemon: DaemonProc) -> Non
 
 async def test_cancel_logs_follow_watch_and_a_queued_follow(short_tmp: Path) -> None:
     gate = short_tmp / "gate"
-    async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, short_tmp, "--cpu-slots", "2")
-        try:
-            done = await ddpctl(d, "submit", "--task", "tests.scripts.gated:make_task", "--nproc", "2",
-                                "--option", f"gate={gate}")
-            blocker = out(done).strip()
-            follow_logs = await _spawn(d, "logs", "-f", blocker)
-            await _read_until(follow_logs, "waiting for gate", count=2)
-            # the blocker holds both slots: this job waits, and --follow shows its logs once it runs
-            queued_follow = await _spawn(d, "submit", "--follow", "--", "tests/scripts/show_env.py")
-            watch_json = await _spawn(d, "watch", blocker, "-o", "json")
-            await _read_until(watch_json, '"state":"RUNNING"')
-            watch = await _spawn(d, "watch", blocker)
-            done = await ddpctl(d, "ls", "-o", "json")
-            states = {j["id"]: j["state"] for j in json.loads(out(done))}
-            assert states[blocker] == "RUNNING" and sorted(states.values()) == ["QUEUED", "RUNNING"]
+    async with running_daemon(short_tmp, "--cpu-slots", "2") as d:
+        done = await ddpctl(d, "submit", "--task", "tests.scripts.gated:make_task", "--nproc", "2",
+                            "--option", f"gate={gate}")
+        blocker = out(done).strip()
+        follow_logs = await _spawn(d, "logs", "-f", blocker)
+        await _read_until(follow_logs, "waiting for gate", count=2)
+        # the blocker holds both slots: this job waits, and --follow shows its logs once it runs
+        queued_follow = await _spawn(d, "submit", "--follow", "--", "tests/scripts/show_env.py")
+        watch_json = await _spawn(d, "watch", blocker, "-o", "json")
+        await _read_until(watch_json, '"state":"RUNNING"')
+        watch = await _spawn(d, "watch", blocker)
+        done = await ddpctl(d, "ls", "-o", "json")
+        states = {j["id"]: j["state"] for j in json.loads(out(done))}
+        assert states[blocker] == "RUNNING" and sorted(states.values()) == ["QUEUED", "RUNNING"]
 
-            done = await ddpctl(d, "cancel", blocker)
-            assert done.returncode == 0, err(done)
-            rc, rest, _ = await _finish(follow_logs)
-            assert rc == 0
-            rc, rest, errors = await _finish(watch)
-            assert rc == 1 and "CANCELLED" in errors  # watch ends on its own with the job's result
-            assert "TRAINING" in rest or "EXITED" in rest  # its last frame: the ranks table
-            rc, rest, errors = await _finish(watch_json)
-            assert rc == 1 and json.loads(rest.splitlines()[-1])["state"] == "CANCELLED"
-            rc, rest, errors = await _finish(queued_follow)
-            assert rc == 0, errors
-            assert "[rank 0] rank 0 of 1 ok" in rest
+        done = await ddpctl(d, "cancel", blocker)
+        assert done.returncode == 0, err(done)
+        rc, rest, _ = await _finish(follow_logs)
+        assert rc == 0
+        rc, rest, errors = await _finish(watch)
+        assert rc == 1 and "CANCELLED" in errors  # watch ends on its own with the job's result
+        assert "TRAINING" in rest or "EXITED" in rest  # its last frame: the ranks table
+        rc, rest, errors = await _finish(watch_json)
+        assert rc == 1 and json.loads(rest.splitlines()[-1])["state"] == "CANCELLED"
+        rc, rest, errors = await _finish(queued_follow)
+        assert rc == 0, errors
+        assert "[rank 0] rank 0 of 1 ok" in rest
 
-            done = await ddpctl(d, "wait", blocker)
-            assert done.returncode == 1 and "CANCELLED" in err(done)
-            done = await ddpctl(d, "cancel", blocker)
-            assert done.returncode == 1 and "already ended" in err(done)
-            done = await ddpctl(d, "watch", blocker, "-o", "json")
-            assert done.returncode == 1 and json.loads(out(done).splitlines()[-1])["state"] == "CANCELLED"
-            await wait_state(d, blocker, "CANCELLED")
-        finally:
-            with anyio.fail_after(30):
-                jobs = await d.client.list_jobs()
-            assert await stop_daemon(d) == 0
-            tg.cancel_scope.cancel()
-    assert_nothing_left(jobs)
+        done = await ddpctl(d, "wait", blocker)
+        assert done.returncode == 1 and "CANCELLED" in err(done)
+        done = await ddpctl(d, "cancel", blocker)
+        assert done.returncode == 1 and "already ended" in err(done)
+        done = await ddpctl(d, "watch", blocker, "-o", "json")
+        assert done.returncode == 1 and json.loads(out(done).splitlines()[-1])["state"] == "CANCELLED"
+        await wait_state(d, blocker, "CANCELLED")
 
 
 async def test_ping_daemon_reload_and_an_unreachable_daemon(daemon: DaemonProc, short_tmp: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 from ddpd.client import RemoteError
 from ddpd.protocol import JobState
 
-from ..conftest import REPO, DaemonProc, assert_nothing_left, start_daemon, stop_daemon
+from ..conftest import REPO, DaemonProc, running_daemon
 from ..scripts.helpers import gated, wait_waiting_at_gate
 
 pytestmark = [
@@ -47,76 +47,58 @@ def _config(base: Path, text: str) -> Path:
 async def test_only_the_owner_or_root_may_cancel(short_tmp: Path) -> None:
     gate = short_tmp / "gate"
     config = _config(short_tmp, 'socket_mode = "0666"\n')
-    async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, short_tmp, "--config", str(config), "--cpu-slots", "1", "--gpus", "0")
-        try:
-            assert stat.S_IMODE(d.socket.stat().st_mode) == 0o666
-            mine = await d.client.submit(gated(d, gate, name="root's"))
-            await wait_waiting_at_gate(d, mine)
-            # nobody's jobs wait behind it (one CPU slot)
-            done = await as_nobody(d, "submit", "--name", "nobody's", "--workdir", str(REPO))
-            assert done.returncode == 0, done.stderr.decode()
-            theirs = done.stdout.decode().strip()
-            done = await as_nobody(d, "submit", "--name", "nobody's 2", "--workdir", str(REPO))
-            theirs2 = done.stdout.decode().strip()
+    async with running_daemon(short_tmp, "--config", str(config), "--cpu-slots", "1", "--gpus", "0") as d:
+        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o666
+        mine = await d.client.submit(gated(d, gate, name="root's"))
+        await wait_waiting_at_gate(d, mine)
+        # nobody's jobs wait behind it (one CPU slot)
+        done = await as_nobody(d, "submit", "--name", "nobody's", "--workdir", str(REPO))
+        assert done.returncode == 0, done.stderr.decode()
+        theirs = done.stdout.decode().strip()
+        done = await as_nobody(d, "submit", "--name", "nobody's 2", "--workdir", str(REPO))
+        theirs2 = done.stdout.decode().strip()
 
-            done = await as_nobody(d, "ls", "-o", "json")
-            owners = {j["id"]: j["owner_uid"] for j in json.loads(done.stdout)}
-            assert owners == {mine: 0, theirs: NOBODY, theirs2: NOBODY}
-            done = await as_nobody(d, "ls")
-            assert "root" in done.stdout.decode() and "nobody" in done.stdout.decode()
+        done = await as_nobody(d, "ls", "-o", "json")
+        owners = {j["id"]: j["owner_uid"] for j in json.loads(done.stdout)}
+        assert owners == {mine: 0, theirs: NOBODY, theirs2: NOBODY}
+        done = await as_nobody(d, "ls")
+        assert "root" in done.stdout.decode() and "nobody" in done.stdout.decode()
 
-            done = await as_nobody(d, "cancel", mine)
-            assert done.returncode == 1
-            assert "permission_denied" in done.stderr.decode() and "belongs to uid 0" in done.stderr.decode()
-            assert (await d.client.status(mine)).state == JobState.RUNNING
+        done = await as_nobody(d, "cancel", mine)
+        assert done.returncode == 1
+        assert "permission_denied" in done.stderr.decode() and "belongs to uid 0" in done.stderr.decode()
+        assert (await d.client.status(mine)).state == JobState.RUNNING
 
-            done = await as_nobody(d, "cancel", theirs)  # the owner may
-            assert done.returncode == 0, done.stderr.decode()
-            view = await d.client.cancel(theirs2)  # and root may cancel anyone's
-            assert view.state == JobState.CANCELLED
-            with pytest.raises(RemoteError) as again:
-                await d.client.cancel(theirs2)
-            assert again.value.code == "not_runnable"
+        done = await as_nobody(d, "cancel", theirs)  # the owner may
+        assert done.returncode == 0, done.stderr.decode()
+        view = await d.client.cancel(theirs2)  # and root may cancel anyone's
+        assert view.state == JobState.CANCELLED
+        with pytest.raises(RemoteError) as again:
+            await d.client.cancel(theirs2)
+        assert again.value.code == "not_runnable"
 
-            await d.client.cancel(mine)
-            with anyio.fail_after(120):
-                final = {j: (await d.client.wait(j)).state for j in (mine, theirs, theirs2)}
-            assert final == {mine: "CANCELLED", theirs: "CANCELLED", theirs2: "CANCELLED"}
-            events = [e async for e in d.client.events(theirs)]
-            assert any(e.kind == "job.state_changed" and e.data["reason"] == f"cancelled by uid {NOBODY}"
-                       for e in events)
-        finally:
-            with anyio.fail_after(30):
-                jobs = await d.client.list_jobs()
-            assert await stop_daemon(d) == 0
-            tg.cancel_scope.cancel()
-    assert_nothing_left(jobs)
+        await d.client.cancel(mine)
+        with anyio.fail_after(120):
+            final = {j: (await d.client.wait(j)).state for j in (mine, theirs, theirs2)}
+        assert final == {mine: "CANCELLED", theirs: "CANCELLED", theirs2: "CANCELLED"}
+        events = [e async for e in d.client.events(theirs)]
+        assert any(e.kind == "job.state_changed" and e.data["reason"] == f"cancelled by uid {NOBODY}"
+                   for e in events)
 
 
 async def test_socket_is_0660_by_default_and_closed_to_others(short_tmp: Path) -> None:
     _config(short_tmp, "")
-    async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, short_tmp, "--gpus", "0")
-        try:
-            st = d.socket.stat()
-            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 0
-            done = await as_nobody(d, "ping")
-            assert done.returncode == 3 and "permission denied" in done.stderr.decode()
-        finally:
-            assert await stop_daemon(d) == 0
-            tg.cancel_scope.cancel()
+    async with running_daemon(short_tmp, "--gpus", "0") as d:
+        st = d.socket.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 0
+        done = await as_nobody(d, "ping")
+        assert done.returncode == 3 and "permission denied" in done.stderr.decode()
 
 
 async def test_socket_group_lets_its_members_in(short_tmp: Path) -> None:
     config = _config(short_tmp, 'socket_group = "nogroup"\n')
-    async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, short_tmp, "--config", str(config), "--gpus", "0")
-        try:
-            st = d.socket.stat()
-            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
-            done = await as_nobody(d, "ping")  # nobody's primary group is nogroup
-            assert done.returncode == 0, done.stderr.decode()
-        finally:
-            assert await stop_daemon(d) == 0
-            tg.cancel_scope.cancel()
+    async with running_daemon(short_tmp, "--config", str(config), "--gpus", "0") as d:
+        st = d.socket.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
+        done = await as_nobody(d, "ping")  # nobody's primary group is nogroup
+        assert done.returncode == 0, done.stderr.decode()
