@@ -28,7 +28,6 @@ from .procs import set_child_subreaper
 from .scheduler import Resources, Scheduler
 from .server import ControlServer, prepare_socket_path, secure_socket
 from .state import StateDB
-from .supervisor import Attempt
 
 log = structlog.get_logger("ddpd")
 
@@ -55,6 +54,7 @@ class Daemon:
         self._adopted = False
         self._socket_path: Path = config.socket
         self.scheduler: Scheduler | None = None
+        self.pool: WarmPool | None = None
 
     def counts(self) -> tuple[int, int]:
         """Jobs starting or running (restarts included), and jobs queued, by their recorded state."""
@@ -72,7 +72,7 @@ class Daemon:
             uptime=round(time.monotonic() - self.started, 3), socket=str(self._socket_path),
             state_dir=str(self.config.state_dir), running=running, queued=queued,
             cpu_slots=res.total_cpu, gpus=res.total_gpus, free_cpu_slots=res.free_cpu,
-            free_gpus=len(res.free_gpus), pool_ready=None if Attempt.pool is None else len(Attempt.pool.ready_pids),
+            free_gpus=len(res.free_gpus), pool_ready=None if self.pool is None else len(self.pool.ready_pids),
         )
 
     async def reload(self) -> None:
@@ -153,7 +153,10 @@ class Daemon:
         db = await anyio.to_thread.run_sync(StateDB, cfg.state_dir / "ddpd.db")
         bus = EventBus()
         journal = Journal(db, bus)
-        self.scheduler = scheduler = Scheduler(cfg, journal, Resources(gpus, cfg.cpu_slots))
+        resources = Resources(gpus, cfg.cpu_slots)
+        pool = WarmPool(cfg, resources.busy_cpu)  # warm workers (pool_size 0: none, every rank starts cold)
+        self.pool = pool if pool.size else None
+        self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool)
         listener: SocketListener | None = None
         try:
             await scheduler.recover()
@@ -167,9 +170,6 @@ class Daemon:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
                 tg.start_soon(self._follow_status, bus)
-                pool = WarmPool(cfg)  # warm workers (pool_size 0: none, every rank starts cold)
-                Attempt.pool = pool if pool.size else None
-                pool.busy_ranks = scheduler.busy_ranks
                 await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
                 tg.start_soon(listener.serve, server.handle)

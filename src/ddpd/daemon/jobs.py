@@ -176,6 +176,12 @@ class Journal:
     async def save_job(self, job: Job) -> None:
         await self.db.upsert("jobs", ("id",), job.row())
 
+    async def save_attempt(self, job: Job, attempt: int, *, pgid: int | None, store_port: int | None,
+                           token: str) -> None:
+        await self.db.upsert("attempts", ("job_id", "attempt"),
+                             {"job_id": job.id, "attempt": attempt, "pgid": pgid, "store_port": store_port,
+                              "token": token, "started_at": time.time()})
+
     async def save_rank(self, job: Job, rank: Rank) -> None:
         await self.db.upsert("ranks", ("job_id", "attempt", "rank"), rank.row(job.id))
 

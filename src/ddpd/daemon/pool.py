@@ -102,7 +102,7 @@ class PoolWorker:
 
 
 class WarmPool:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, busy_ranks: Callable[[], int] = lambda: 0) -> None:
         self.config = config
         self.size = max(0, config.pool_size)
         self.log_path = config.state_dir / "pool.log"
@@ -113,7 +113,7 @@ class WarmPool:
         self._failures = 0  # consecutive deaths before hello
         self._closing = False
         self._cores = len(os.sched_getaffinity(0))
-        self.busy_ranks: Callable[[], int] = lambda: 0  # CPU-busy ranks of running jobs (set by the app)
+        self.busy_ranks = busy_ranks  # CPU-busy ranks of running jobs
 
     def poke(self) -> None:
         """Something freed cores (a job ended): refill if the pool is short."""

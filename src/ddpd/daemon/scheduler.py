@@ -17,6 +17,7 @@ from ..protocol import JobSpec, JobState, SpecError, check_spec
 from ..protocol.control import RootCause
 from .config import Config
 from .jobs import Job, Journal, job_from_row, rank_from_row
+from .pool import WarmPool
 from .procs import find_members, proc_environ_has
 from .supervisor import Attempt, Outcome
 
@@ -54,14 +55,19 @@ class Resources:
         self.free_cpu -= cpu
         return taken
 
+    def busy_cpu(self) -> int:
+        """CPU slots held by running jobs (ranks that occupy a CPU; GPU jobs mostly wait on their devices)."""
+        return self.total_cpu - self.free_cpu
+
     def give_back(self, spec: JobSpec, gpus: list[int]) -> None:
         self.free_gpus = sorted(self.free_gpus + gpus)
         self.free_cpu += self.need(spec)[1]
 
 
 class Scheduler:
-    def __init__(self, config: Config, journal: Journal, resources: Resources) -> None:
+    def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None) -> None:
         self.config = config
+        self.pool = pool
         self.journal = journal
         self.resources = resources
         self.jobs: dict[str, Job] = {}
@@ -73,10 +79,6 @@ class Scheduler:
         self._idle = anyio.Event()
 
     # -- queries ---------------------------------------------------------------------------
-
-    def busy_ranks(self) -> int:
-        """Ranks of running jobs that occupy a CPU (GPU jobs mostly wait on their devices)."""
-        return sum(self.jobs[j].spec.nproc for j in self.running if self.jobs[j].spec.gpus_per_rank == 0)
 
     def counts(self) -> tuple[int, int]:
         queued = sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
@@ -174,8 +176,8 @@ class Scheduler:
             self.attempts.pop(job.id, None)
             if not self.running:
                 self._idle.set()
-            if Attempt.pool is not None:
-                Attempt.pool.poke()
+            if self.pool is not None:
+                self.pool.poke()
             self._notify()
 
     async def _attempts(self, job: Job) -> None:
@@ -185,7 +187,7 @@ class Scheduler:
             job.ranks = []
             job.root_cause = None
             await self.journal.job_state(job, JobState.STARTING, f"attempt {job.attempt}")
-            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts)
+            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool)
             self.attempts[job.id] = attempt
             if job.cancel_requested:
                 attempt.request_cancel(job.cancel_requested, force=False)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 import msgspec
@@ -84,10 +84,10 @@ def boot_ticks() -> int:
 
 
 class Attempt:
-    pool: ClassVar[WarmPool | None] = None  # the daemon's warm pool (set by the app while it serves)
-
-    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any]) -> None:
+    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
+                 pool: WarmPool | None = None) -> None:
         self.config = config
+        self.pool = pool  # the daemon's warm pool, None when it keeps none
         self.journal = journal
         self.job = job
         self.number = number
@@ -266,12 +266,7 @@ class Attempt:
             await self.journal.event(job, "rank.spawned", rank=r, pid=proc.pid, pgid=self.pgid, log=str(log_path))
             tg.start_soon(self._read, handle, rdzv)
             tg.start_soon(self._watch_exit, handle)
-        await self.journal.db.upsert(
-            "attempts",
-            ("job_id", "attempt"),
-            {"job_id": job.id, "attempt": self.number, "pgid": self.pgid, "store_port": rdzv.port,
-             "token": self.token, "started_at": time.time()},
-        )
+        await self.journal.save_attempt(job, self.number, pgid=self.pgid, store_port=rdzv.port, token=self.token)
 
     async def _adopt(self, tg: anyio.abc.TaskGroup, rdzv: Rendezvous, r: int, log_path: Path,
                      proc: subprocess.Popen[bytes], channel: WorkerChannel, hello: Hello) -> None:

@@ -19,6 +19,8 @@ class HelloReq(_Req, tag="hello"):
 
 class Submit(_Req, tag="submit"):
     spec: JobSpec
+    # a retried submit with the same key (same owner) returns the job it created, never a second one
+    idempotency_key: str | None = None
 
 
 class Status(_Req, tag="status"):
@@ -26,8 +28,11 @@ class Status(_Req, tag="status"):
 
 
 class ListJobs(_Req, tag="list"):
-    all: bool = True
+    """One page of jobs, newest first: `before` (a job's seq) continues where JobPage.next left off."""
+
+    all: bool = True  # False: only jobs not yet ended (queued, starting, running, restarting)
     limit: int = 200
+    before: int | None = None
 
 
 class Cancel(_Req, tag="cancel"):
@@ -52,6 +57,12 @@ class Events(_Req, tag="events"):
     since: int = 0
 
 
+class Remove(_Req, tag="rm"):
+    """Forget an ended job: its row, events, logs and checkpoints."""
+
+    job_id: str
+
+
 class Ping(_Req, tag="ping"):
     pass
 
@@ -64,7 +75,8 @@ class Reload(_Req, tag="reload"):
     pass
 
 
-Request = HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Ping | DaemonInfoReq | Reload
+Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
+           | Reload)
 
 
 class RequestEnvelope(msgspec.Struct):
@@ -167,6 +179,22 @@ class LogChunk(msgspec.Struct):
 
 class SubmitResult(msgspec.Struct):
     job_id: str
+    existing: bool = False  # True: the idempotency key matched a job submitted before
+
+
+class JobPage(msgspec.Struct):
+    """A page of `list`: `next` is the `before` of the following page, None on the last."""
+
+    jobs: list[JobView]
+    next: int | None = None
+
+
+class CancelResult(msgspec.Struct):
+    """What a cancel did: `action` is "cancelled" (a queued job, now CANCELLED), "stopping" (ranks asked
+    to stop at a step boundary, then torn down) or "killing" (force: SIGKILL now)."""
+
+    action: str
+    job: JobView
 
 
 class DaemonInfo(msgspec.Struct):

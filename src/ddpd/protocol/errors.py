@@ -16,6 +16,8 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "permission_denied"
     NOT_RUNNABLE = "not_runnable"
     SHUTTING_DOWN = "shutting_down"
+    LIMIT_EXCEEDED = "limit_exceeded"  # a queue, connection or size limit of the daemon
+    STORAGE_UNAVAILABLE = "storage_unavailable"  # the state database cannot be written: no new work
     INTERNAL = "internal"
 
 
