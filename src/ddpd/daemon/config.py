@@ -48,6 +48,17 @@ class Config:
     log_format: str = "auto"  # auto | json | console
     metrics_listen: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     metrics_token: str | None = None  # bearer token the endpoint requires (mandatory off loopback)
+    # limits (issue: nothing a client or a job sends is unbounded)
+    max_queued: int = 10_000  # jobs waiting in the queue, all users together
+    max_queued_per_user: int = 1_000
+    priority_range: tuple[int, int] = (-1000, 1000)  # the band a job's priority must lie in
+    max_kill_grace: float = 60.0  # a job's kill_grace at most (keep under the unit's TimeoutStopSec)
+    retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
+    max_connections: int = 256  # control connections open at once
+    idle_timeout: float = 600.0  # a control connection with no complete request for this long is closed
+    frame_timeout: float = 10.0  # a request frame must be complete within this many seconds of its first byte
+    rank_frames_per_second: int = 2_000  # frames a rank may send per second (averaged); a flood fails the job
+    rank_log_max: int = 256 * 1024 * 1024  # bytes of a rank log before it rotates (the newest part is kept)
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
