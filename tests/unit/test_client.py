@@ -273,6 +273,8 @@ async def test_the_blocking_client_from_plain_threads(short_tmp: Path) -> None:
         results.append(client.status("j1").id)
         with client.events("j1") as events:
             results.append([e.seq for e in events])
+        with client.connect() as conn:
+            results.append([type(r).__name__ for r in conn.stream({"op": "events", "job_id": "j1"})])
 
     async with fake_daemon(short_tmp, handle) as fake:
         client = Client(fake.path)
@@ -283,27 +285,37 @@ async def test_the_blocking_client_from_plain_threads(short_tmp: Path) -> None:
                 t.start()
             for t in threads:
                 await anyio.to_thread.run_sync(t.join)
-    assert results == [["j1", [1, 2]]] * 3
+    assert results == [["j1", [1, 2], ["Item", "Item", "End"]]] * 3
     assert not [t for t in threading.enumerate() if t.name.startswith("ddpd-client")]  # portals stopped
 
 
-async def test_ctrl_c_stops_a_follow_stream_in_ddpctl_at_once(short_tmp: Path) -> None:
-    asked = anyio.Event()
+@pytest.mark.parametrize(("command", "shown"), [(["logs", "-f", "j1"], b"ready"),
+                                               (["watch", "j1", "-o", "json"], b"RUNNING")])
+async def test_ctrl_c_stops_a_follow_stream_in_ddpctl_at_once(short_tmp: Path, command: list[str],
+                                                               shown: bytes) -> None:
+    following = anyio.Event()
 
     async def handle(peer: Peer, request: dict[str, Any]) -> bool:
-        await peer.send({"type": "item", "id": request["id"], "item": {"rank": 0, "attempt": 1, "text": "ready\n"}})
-        asked.set()
+        if request["op"] == "status":
+            await peer.send(ok(request, job("j1")))
+            return True
+        item = {"rank": 0, "attempt": 1, "text": "ready\n"} if request["op"] == "logs" else {"seq": 1, "ts": 1.0,
+                                                                                            "kind": "k"}
+        await peer.send({"type": "item", "id": request["id"], "item": item})
+        following.set()
         return True  # and never a line more: the stream follows a job that keeps running
 
     async with fake_daemon(short_tmp, handle) as fake:
         with anyio.fail_after(TIMEOUT):
             async with await anyio.open_process(
-                [sys.executable, "-m", "ddpd.cli", "--socket", str(fake.path), "logs", "-f", "j1"],
+                [sys.executable, "-m", "ddpd.cli", "--socket", str(fake.path), *command],
                 stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(REPO),
             ) as proc:
                 assert proc.stdout is not None
-                await asked.wait()
-                assert b"ready" in await proc.stdout.receive()  # printed: now blocked on the next chunk
+                await following.wait()
+                out = b""
+                while shown not in out:  # printed: now blocked on the next item
+                    out += await proc.stdout.receive()
                 proc.send_signal(signal.SIGINT)
-                assert await proc.wait() == 130
-            await fake.closed.wait()  # and its connection is closed
+                assert await proc.wait() == (130 if command[0] == "logs" else 0)  # watch: Ctrl-C is its way out
+            await fake.closed.wait()  # and its connections are closed
