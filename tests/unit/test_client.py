@@ -252,6 +252,8 @@ async def test_pages_cancel_reports_and_the_results_of_an_older_daemon(short_tmp
             assert [j.id async for j in client.iter_jobs(page_size=1)] == ["j3", "j2", "j1"]
             assert [r.get("before") for r in fake.requests[-3:]] == [None, 3, 2]
             assert [j.id for j in await client.list_jobs(limit=1, before=3)] == ["j2"]
+            with Client(fake.path).iter_jobs(page_size=1) as jobs:  # the blocking one, from a thread
+                assert [j.id for j in await anyio.to_thread.run_sync(list, jobs)] == ["j3", "j2", "j1"]
 
             assert (await client.cancel("new")).action == "stopping"
             assert (await client.cancel("old")).action == "cancelled"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
@@ -257,7 +257,7 @@ class AsyncClient:
         """The jobs of one page (`list_page(...).jobs`); `all=False`: only jobs not yet ended."""
         return (await self.list_page(all=all, limit=limit, before=before)).jobs
 
-    async def iter_jobs(self, *, all: bool = True, page_size: int = 200) -> AsyncIterator[JobView]:
+    async def iter_jobs(self, *, all: bool = True, page_size: int = 200) -> AsyncGenerator[JobView, None]:
         """Every job, newest first, a page at a time."""
         before: int | None = None
         while True:

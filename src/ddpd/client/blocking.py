@@ -12,17 +12,26 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import CancelResult, DaemonInfo, EventView, JobPage, JobView, LogChunk, Reply, SubmitResult
 
-from .aio import AsyncClient, AsyncConnection, AsyncStream
+from .aio import AsyncClient, AsyncConnection
 from .wire import RawRequest
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class _AsyncItems(Protocol[T_co]):
+    """What a blocking Stream runs: an AsyncStream, or an async generator such as `iter_jobs`."""
+
+    def __anext__(self) -> Awaitable[T_co]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
 
 
 def _wait(portal: BlockingPortal, func: Callable[[], Awaitable[T]]) -> T:
@@ -55,10 +64,10 @@ class Stream(Generic[T]):
     """The items of one follow-stream; connects on first use and closes at the end marker.
 
     Use it as `with client.logs(...) as chunks: for chunk in chunks: ...` so the connection is
-    closed when the loop is left early.
+    closed when the loop is left early. One thread reads it at a time.
     """
 
-    def __init__(self, stream: AsyncStream[T]) -> None:
+    def __init__(self, stream: _AsyncItems[T]) -> None:
         self._stream = stream
         self._exit = ExitStack()
         self._portal: BlockingPortal | None = None
@@ -146,7 +155,10 @@ class Connection:
 
 
 class Client:
-    """Blocking client of the control socket: the methods of `AsyncClient`, without an event loop."""
+    """Blocking client of the control socket: the methods of `AsyncClient`, without an event loop.
+
+    `aio` is the AsyncClient it runs.
+    """
 
     def __init__(self, socket_path: str | Path | None = None) -> None:
         self.aio = AsyncClient(socket_path)
@@ -189,15 +201,9 @@ class Client:
     def list_jobs(self, *, all: bool = True, limit: int = 200, before: int | None = None) -> list[JobView]:
         return _once(lambda: self.aio.list_jobs(all=all, limit=limit, before=before))
 
-    def iter_jobs(self, *, all: bool = True, page_size: int = 200) -> Iterator[JobView]:
+    def iter_jobs(self, *, all: bool = True, page_size: int = 200) -> Stream[JobView]:
         """Every job, newest first, a page at a time."""
-        before: int | None = None
-        while True:
-            page = self.list_page(all=all, limit=page_size, before=before)
-            yield from page.jobs
-            if page.next is None or not page.jobs:
-                return
-            before = page.next
+        return Stream(self.aio.iter_jobs(all=all, page_size=page_size))
 
     def cancel(self, job_id: str, force: bool = False) -> CancelResult:
         return _once(lambda: self.aio.cancel(job_id, force))
