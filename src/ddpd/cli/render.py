@@ -255,8 +255,8 @@ def cancel_line(result: CancelResult) -> str:
             return f"cancelled {job.id} (was QUEUED)"  # only a job not yet started ends at once
         case "stopping":
             grace = job.spec.timeouts.kill_grace
-            within = f", teardown within {grace:g}s" if grace is not None else ""
-            return f"stopping {job.id}: ranks asked to stop{within}"
+            within = f"{grace:g}s" if grace is not None else "the daemon's kill grace"
+            return f"stopping {job.id}: ranks asked to stop, teardown within {within}"
         case "killing":
             return f"killing {job.id}"
         case other:
