@@ -168,6 +168,7 @@ async def test_cancel_logs_follow_watch_and_a_queued_follow(short_tmp: Path) -> 
 
         done = await ddpctl(d, "cancel", blocker)
         assert done.returncode == 0, err(done)
+        assert err(done).startswith(f"stopping {blocker}: ranks asked to stop")
         rc, rest, _ = await _finish(follow_logs)
         assert rc == 0
         rc, rest, errors = await _finish(watch)

@@ -71,7 +71,7 @@ async def test_only_the_owner_or_root_may_cancel(short_tmp: Path) -> None:
 
         done = await as_nobody(d, "cancel", theirs)  # the owner may
         assert done.returncode == 0, done.stderr.decode()
-        view = await d.client.cancel(theirs2)  # and root may cancel anyone's
+        view = (await d.client.cancel(theirs2)).job  # and root may cancel anyone's
         assert view.state == JobState.CANCELLED
         with pytest.raises(RemoteError) as again:
             await d.client.cancel(theirs2)

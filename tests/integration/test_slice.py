@@ -14,6 +14,7 @@ from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView, JobView
 
 from ..conftest import DaemonProc, assert_nothing_left, start_daemon, stop_daemon
+from ..rawclient import send_raw
 
 pytestmark = pytest.mark.anyio
 
@@ -160,20 +161,20 @@ async def test_taken_rendezvous_port_is_skipped(short_tmp: object) -> None:
 async def test_bad_frames_get_errors_and_the_daemon_keeps_serving(daemon: DaemonProc) -> None:
     client = daemon.client
     async with client.connect(hello=False) as other:  # a second client, connected throughout
-        replies = await client.send_raw(b"{not json\n", hello=False, expect=1)
+        replies = await send_raw(client, b"{not json\n", hello=False, expect=1)
         assert replies[0]["type"] == "error" and replies[0]["code"] == "malformed_frame"
-        replies = await client.send_raw(b'{"op":"frobnicate","id":7}\n', hello=False, expect=1)
+        replies = await send_raw(client, b'{"op":"frobnicate","id":7}\n', hello=False, expect=1)
         assert replies[0] == {"type": "error", "id": 7, "code": "unknown_operation",
                               "message": "unknown operation 'frobnicate'"}
-        replies = await client.send_raw(b'{"op":"status","id":8,"job_id":42}\n', hello=False, expect=1)
+        replies = await send_raw(client, b'{"op":"status","id":8,"job_id":42}\n', hello=False, expect=1)
         assert replies[0]["code"] == "bad_message" and replies[0]["id"] == 8
-        replies = await client.send_raw(b'{"op":"submit","id":9,"spec":{"nproc":0}}\n', hello=False, expect=1)
+        replies = await send_raw(client, b'{"op":"submit","id":9,"spec":{"nproc":0}}\n', hello=False, expect=1)
         assert replies[0]["code"] == "bad_message" and "nproc" in replies[0]["message"]
-        replies = await client.send_raw(b'{"op":"submit","id":10,"spec":{"task":"no such"}}\n', hello=False,
+        replies = await send_raw(client, b'{"op":"submit","id":10,"spec":{"task":"no such"}}\n', hello=False,
                                         expect=1)
         assert replies[0]["code"] == "bad_spec" and "task" in replies[0]["message"]
         huge = b'{"op":"ping","id":1,"pad":"' + b"x" * (1 << 20) + b'"}\n'
-        replies = await client.send_raw(huge, hello=False, expect=1)
+        replies = await send_raw(client, huge, hello=False, expect=1)
         assert replies[0]["code"] == "frame_too_large"
         # the other connection and new ones are still served
         assert (await other.call({"op": "ping"})) == "pong"

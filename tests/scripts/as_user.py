@@ -20,7 +20,10 @@ EAGER = ("difflib", "gettext", "shutil", "textwrap", "click.formatting", "click.
          "rich._wrap", "rich.jupyter", "rich.traceback", "rich.markup", "rich.emoji",
          "rich.control", "rich.live_render", "rich.file_proxy", "rich.screen", "rich.region", "rich.box",
          "rich.padding", "rich.containers", "rich.measure", "rich.styled", "rich.abc", "rich.pager",
-         "rich._export_format", "rich._log_render", "encodings.idna", "pwd", "grp", "queue", "threading")
+         "rich._export_format", "rich._log_render", "encodings.idna", "pwd", "grp", "queue", "threading",
+         # the blocking client runs the async one on an asyncio loop in a thread
+         "asyncio", "anyio._backends._asyncio", "anyio._core._sockets", "anyio._core._streams", "anyio.to_thread",
+         "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls", "anyio.abc._sockets")
 
 
 def main() -> None:

@@ -1,0 +1,7 @@
+"""`python -m ddpd.cli`: ddpctl."""
+
+from __future__ import annotations
+
+from .commands import main
+
+main()

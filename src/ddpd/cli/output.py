@@ -1,0 +1,64 @@
+"""Where ddpctl writes: data (ids, tables, JSON, logs) to stdout, status lines and errors to stderr.
+
+Rich consoles never interpret markup in data.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import msgspec
+from rich.console import Console
+from rich.text import Text
+
+from ddpd.client import LogChunk
+
+
+def stdout() -> Console:
+    width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200
+    return Console(markup=False, highlight=False, emoji=False, width=width)
+
+
+def stderr() -> Console:
+    return Console(stderr=True, markup=False, highlight=False, emoji=False)
+
+
+def note(message: str, style: str = "") -> None:
+    stderr().print(Text(message, style=style), soft_wrap=True)
+
+
+def error(message: str) -> None:
+    stderr().print(Text(f"ddpctl: error: {message}", style="red"), soft_wrap=True)
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
+    sys.stdout.flush()
+
+
+class LogWriter:
+    """Writes log chunks to stdout as they come, each line prefixed with its rank when asked."""
+
+    def __init__(self, prefix: bool) -> None:
+        self._prefix = prefix
+        self._partial: dict[tuple[int, int], str] = {}
+
+    def write(self, chunk: LogChunk) -> None:
+        if not self._prefix:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            return
+        key = (chunk.attempt, chunk.rank)
+        lines = (self._partial.pop(key, "") + chunk.text).split("\n")
+        if lines[-1]:
+            self._partial[key] = lines[-1]
+        sys.stdout.write("".join(f"[rank {chunk.rank}] {line}\n" for line in lines[:-1]))
+        sys.stdout.flush()
+
+    def finish(self) -> None:
+        for (_, rank), rest in sorted(self._partial.items()):
+            sys.stdout.write(f"[rank {rank}] {rest}\n")
+        self._partial.clear()
+        sys.stdout.flush()

@@ -1,0 +1,263 @@
+"""How ddpctl shows jobs, ranks, events and the daemon: plain strings and rich tables, no I/O."""
+
+from __future__ import annotations
+
+import datetime
+import pwd
+from collections.abc import Iterable
+
+import msgspec
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ddpd.client import CancelResult, DaemonInfo, EventView, JobState, JobView, RootCause
+
+FINAL = frozenset(s.value for s in JobState if s.final)
+
+STATE_STYLES = {
+    "QUEUED": "dim",
+    "STARTING": "cyan",
+    "RUNNING": "bold cyan",
+    "RESTARTING": "yellow",
+    "SUCCEEDED": "bold green",
+    "FAILED": "bold red",
+    "CANCELLED": "yellow",
+    "TIMED_OUT": "bold red",
+    "SPAWNED": "dim",
+    "CONNECTED": "cyan",
+    "STORE_CONNECTED": "cyan",
+    "JOINED": "cyan",
+    "TRAINING": "bold cyan",
+    "EXITED": "",
+}
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _exit_text(exit_code: int | None, signal: str | None) -> str:
+    if signal:
+        return signal
+    if exit_code is not None:
+        return f"exit {exit_code}"
+    return ""
+
+
+def _state(state: str) -> Text:
+    return Text(state, style=STATE_STYLES.get(state, ""))
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _cause_short(view: JobView) -> str:
+    cause = view.root_cause
+    if cause is None:
+        return view.reason or ""
+    parts = [cause.reason]
+    if cause.rank is not None:
+        parts.append(f"rank {cause.rank}")
+    exit_text = _exit_text(cause.exit_code, cause.signal)
+    if exit_text:
+        parts.append(exit_text)
+    if cause.error:
+        parts.append(cause.error)
+    return ": ".join(parts)
+
+
+def _cause_lines(cause: RootCause, traceback_lines: int = 12) -> list[tuple[str, str]]:
+    rows = [("root cause", cause.reason)]
+    if cause.rank is not None:
+        rows.append(("rank", str(cause.rank)))
+    if cause.attempt is not None:
+        rows.append(("attempt", str(cause.attempt)))
+    exit_text = _exit_text(cause.exit_code, cause.signal)
+    if exit_text:
+        rows.append(("exit", exit_text))
+    if cause.phase:
+        rows.append(("phase", cause.phase))
+    if cause.error or cause.message:
+        rows.append(("error", ": ".join(p for p in (cause.error, cause.message) if p)))
+    if cause.ranks:
+        rows.append(("ranks", ", ".join(map(str, cause.ranks))))
+    if cause.detail:
+        rows.append(("detail", cause.detail))
+    if cause.traceback:
+        tail = cause.traceback.rstrip("\n").splitlines()[-traceback_lines:]
+        rows.append(("traceback", "\n".join(tail)))
+    return rows
+
+
+def final_line(view: JobView) -> str:
+    line = f"job {view.id}"
+    if view.name:
+        line += f" ({view.name})"
+    line += f" {view.state}"
+    cause = _cause_short(view)
+    if cause and view.state != JobState.SUCCEEDED:
+        line += f": {cause}"
+    if view.root_cause is not None and view.root_cause.message:
+        line += f": {view.root_cause.message}"
+    return line
+
+
+def _job_header(view: JobView, now: float) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    grid.add_row("job", Text(view.id))
+    if view.name:
+        grid.add_row("name", Text(view.name))
+    grid.add_row("state", _state(view.state))
+    grid.add_row("owner", Text(_owner(view.owner_uid)))
+    grid.add_row("nproc", Text(str(view.spec.nproc)))
+    grid.add_row("attempt", Text(str(view.attempt)))
+    if view.started_at is not None:
+        end = view.finished_at if view.finished_at is not None else now
+        grid.add_row("duration", Text(_duration(end - view.started_at)))
+    else:
+        grid.add_row("queued for", Text(_duration(now - view.submitted_at)))
+    if view.reason:
+        grid.add_row("reason", Text(view.reason))
+    if view.root_cause is not None:
+        for key, value in _cause_lines(view.root_cause):
+            grid.add_row(key, Text(value))
+    return grid
+
+
+def ranks_table(view: JobView, title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("attempt", justify="right")
+    table.add_column("state")
+    table.add_column("pid", justify="right")
+    table.add_column("pgid", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("loss", justify="right")
+    table.add_column("heartbeat", justify="right")
+    table.add_column("exit")
+    for rank in view.ranks:
+        table.add_row(
+            Text(str(rank.rank)),
+            Text(str(rank.attempt)),
+            _state(rank.state),
+            Text("" if rank.pid is None else str(rank.pid)),
+            Text("" if rank.pgid is None else str(rank.pgid)),
+            Text(str(rank.step)),
+            Text("" if rank.loss is None else f"{rank.loss:.4g}"),
+            Text("" if rank.heartbeat_age is None else f"{rank.heartbeat_age:.1f}s ago"),
+            Text(_exit_text(rank.exit_code, rank.signal)),
+        )
+    return table
+
+
+def job_detail(view: JobView, now: float) -> RenderableType:
+    parts: list[RenderableType] = [_job_header(view, now)]
+    if view.ranks:
+        parts.append(ranks_table(view))
+    return Group(*parts)
+
+
+def jobs_table(views: Iterable[JobView], now: float) -> Table:
+    table = Table()
+    table.add_column("id", no_wrap=True)
+    table.add_column("name", overflow="fold")
+    table.add_column("owner")
+    table.add_column("state")
+    table.add_column("nproc", justify="right")
+    table.add_column("attempt", justify="right")
+    table.add_column("age", justify="right")
+    table.add_column("duration", justify="right")
+    table.add_column("root cause", overflow="fold")
+    for view in views:
+        duration = ""
+        if view.started_at is not None:
+            end = view.finished_at if view.finished_at is not None else now
+            duration = _duration(end - view.started_at)
+        table.add_row(
+            Text(view.id),
+            Text(view.name),
+            Text(_owner(view.owner_uid)),
+            _state(view.state),
+            Text(str(view.spec.nproc)),
+            Text(str(view.attempt)),
+            Text(_duration(now - view.submitted_at)),
+            Text(duration),
+            Text(_cause_short(view) if view.state in FINAL else ""),
+        )
+    return table
+
+
+def event_line(event: EventView) -> str:
+    when = datetime.datetime.fromtimestamp(event.ts).isoformat(sep=" ", timespec="milliseconds")
+    parts = [when, f"#{event.seq}", event.kind]
+    if event.job_id is not None:
+        parts.append(f"job={event.job_id}")
+    if event.attempt is not None:
+        parts.append(f"attempt={event.attempt}")
+    if event.rank is not None:
+        parts.append(f"rank={event.rank}")
+    for key, value in event.data.items():
+        text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def daemon_grid(info: DaemonInfo) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    rows = [
+        ("version", f"{info.version} (protocol {info.protocol})"),
+        ("pid", str(info.pid)),
+        ("uptime", _duration(info.uptime)),
+        ("socket", info.socket),
+        ("state dir", info.state_dir),
+        ("running", str(info.running)),
+        ("queued", str(info.queued)),
+        ("cpu slots", _free_of(info.free_cpu_slots, info.cpu_slots)),
+        ("gpus", _free_of(info.free_gpus, info.gpus)),
+    ]
+    if info.pool_ready is not None:
+        rows.append(("warm pool", f"{info.pool_ready} ready"))
+    for key, value in rows:
+        grid.add_row(key, Text(value))
+    return grid
+
+
+def _free_of(free: int | None, total: int) -> str:
+    return str(total) if free is None else f"{free} free of {total}"
+
+
+def cancel_line(result: CancelResult) -> str:
+    """What a cancel did, in words: "cancelled j3 (was QUEUED)", "stopping j3: ...", "killing j3"."""
+    job = result.job
+    match result.action:
+        case "cancelled":
+            return f"cancelled {job.id} (was QUEUED)"  # only a job not yet started ends at once
+        case "stopping":
+            grace = job.spec.timeouts.kill_grace
+            within = f"{grace:g}s" if grace is not None else "the daemon's kill grace"
+            return f"stopping {job.id}: ranks asked to stop, teardown within {within}"
+        case "killing":
+            return f"killing {job.id}"
+        case other:
+            return f"{other} {job.id} ({job.state})"

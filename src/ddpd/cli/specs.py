@@ -1,0 +1,139 @@
+"""`ddpctl submit`'s options and the JobSpec they build (checked as the daemon checks it).
+
+Relative paths mean what they mean in the submitter's shell: the working directory defaults to
+ddpctl's own, and a script path that names a file here is made absolute.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from ddpd.client import BUILTIN_TASKS, JobSpec, build_spec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+
+_TIMEOUTS = {
+    "join_timeout": "join",
+    "heartbeat_timeout": "heartbeat",
+    "progress_timeout": "progress",
+    "wall_time": "wall",
+    "kill_grace": "kill_grace",
+    "stop_warning": "stop_warning",
+}
+_PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
+          "checkpoint_every", "priority")
+
+
+def typed_value(text: str) -> str | int | float | bool:
+    """A task option's value: true/false, an int, a float, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    if _NUMBER.match(text):
+        return float(text)
+    return text
+
+
+def pairs(param: str, values: tuple[str, ...]) -> list[tuple[str, str]]:
+    result = []
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=param)
+        result.append((key, value))
+    return result
+
+
+def _seconds(name: str, help: str) -> Callable[[F], F]:
+    return click.option(name, type=float, default=None, metavar="S", help=help)
+
+
+_OPTIONS: list[Callable[[F], F]] = [
+    click.option(
+        "--task",
+        default=None,
+        help=f"Built-in task ({', '.join(sorted(BUILTIN_TASKS))}) or package.module:factory "
+        "[default: two-layer, unless a script is given].",
+    ),
+    click.option("--nproc", type=int, default=None, help="Number of ranks [default: 1]."),
+    click.option("--name", default=None, help="A name for the job."),
+    click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default=None),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None),
+    click.option("--gpus-per-rank", type=int, default=None, metavar="N"),
+    click.option("--steps", type=int, default=None, metavar="N", help="Training steps of a built-in task."),
+    click.option("--seed", type=int, default=None, metavar="N"),
+    _seconds("--join-timeout", "Seconds for every rank to join."),
+    _seconds("--heartbeat-timeout", "Seconds without any frame from a rank before it counts as hung."),
+    _seconds("--progress-timeout", "Seconds without a step before the job counts as hung."),
+    _seconds("--wall-time", "Wall-clock limit of the job in seconds."),
+    _seconds("--kill-grace", "Seconds between SIGTERM and SIGKILL."),
+    _seconds("--stop-warning", "Seconds before the wall time at which ranks are asked to checkpoint and stop."),
+    click.option("--max-restarts", type=int, default=None, metavar="N"),
+    click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
+    click.option("--priority", type=int, default=None, metavar="N"),
+    click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank."),
+    click.option(
+        "--workdir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        metavar="DIR",
+        help="Working directory of every rank; relative scripts and task modules are found there "
+        "[default: the current directory].",
+    ),
+    click.option(
+        "--option", "options", multiple=True, metavar="K=V", help="Task option; numbers and true/false are typed."
+    ),
+    click.option(
+        "-m",
+        "--module",
+        "module",
+        is_flag=True,
+        help="Run a module (python -m): `-m pkg.mod -- ARGS` or `-- -m pkg.mod ARGS`.",
+    ),
+]
+
+
+def spec_options(func: F) -> F:
+    """The submit command's job options, in the order `--help` lists them."""
+    for option in reversed(_OPTIONS):
+        func = option(func)
+    return func
+
+
+def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpec:
+    """The JobSpec of the submit options in `values` (named as click names them) and the script."""
+    fields: dict[str, Any] = {key: values[key] for key in _PLAIN if values.get(key) is not None}
+    # the submitter's directory by default, so `--task mymodule:factory` and relative paths
+    # mean what they mean in the shell that ran ddpctl
+    workdir = values.get("workdir")
+    fields["workdir"] = os.path.abspath(workdir if workdir is not None else os.getcwd())
+    timeouts = {key: values[name] for name, key in _TIMEOUTS.items() if values.get(name) is not None}
+    if timeouts:
+        fields["timeouts"] = timeouts
+    if values.get("env"):
+        fields["env"] = dict(pairs("--env", values["env"]))
+    if values.get("options"):
+        fields["options"] = {key: typed_value(value) for key, value in pairs("--option", values["options"])}
+    module = bool(values.get("module"))
+    if script and script[0] == "-m":  # `submit -- -m pkg.mod ARGS`, as after python or torchrun
+        module, script = True, script[1:]
+    if module and len(script) > 1 and script[1] == "--":  # `submit -m pkg.mod -- ARGS`
+        script = (script[0], *script[2:])
+    if script:
+        target, *args = script
+        if not module and os.path.isfile(target):
+            target = os.path.abspath(target)
+        fields["script"] = [target, *args]
+        fields["module"] = module
+    elif module:
+        raise click.UsageError("-m needs a module name after `--`")
+    return build_spec(fields)

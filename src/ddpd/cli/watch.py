@@ -1,0 +1,116 @@
+"""`ddpctl watch`: a live view of one job or of all jobs, refreshed on every event of the daemon.
+
+One event loop: a task reads the follow-stream of events and only wakes the refresher, which
+redraws once per burst of events and once a second for the heartbeat ages. With a job, it ends
+when the job is final; without one, it runs until interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+from rich.console import Group, RenderableType
+from rich.live import Live
+from rich.text import Text
+
+from ddpd.client import AsyncClient, JobView, RemoteError
+
+from . import output, render
+
+REFRESH = 1.0  # seconds between redraws when no event comes
+
+
+def watch_view(views: list[JobView], single: bool) -> RenderableType:
+    now = time.time()
+    if single:
+        return render.job_detail(views[0], now)
+    parts: list[RenderableType] = [render.jobs_table(views, now)]
+    for active in [v for v in views if v.state not in render.FINAL and v.ranks][:8]:
+        parts.append(render.ranks_table(active, title=f"{active.id} {active.name}".rstrip()))
+    return Group(*parts)
+
+
+async def follow(client: AsyncClient, job_id: str | None, show: Callable[[list[JobView]], None]) -> JobView | None:
+    """Refresh on every event and once a second; returns the watched job once it is final."""
+
+    async def refresh() -> JobView | None:
+        if job_id is not None:
+            view = await client.status(job_id)
+            show([view])
+            return view if view.state in render.FINAL else None
+        show(await client.list_jobs())
+        return None
+
+    final = await refresh()  # a bad JOB fails here, before the stream starts
+    if final is not None:
+        return final
+    changed = anyio.Event()
+    ended = False
+    failure: Exception | None = None
+
+    async def pump() -> None:
+        nonlocal ended, failure
+        try:
+            async with client.events(job_id, follow=True) as stream:
+                async for _ in stream:
+                    changed.set()
+            ended = True
+        except Exception as exc:
+            failure = exc
+        changed.set()
+
+    async def redraw() -> JobView:
+        nonlocal changed
+        while True:
+            with anyio.move_on_after(REFRESH):
+                await changed.wait()
+            changed = anyio.Event()  # one refresh for a burst of events
+            final = await refresh()
+            if final is not None:
+                return final
+            if failure is not None:
+                raise failure
+            if ended and job_id is None:
+                raise RemoteError("stream_ended", "the daemon ended the event stream")
+            # a job's stream ends at job.finished: the next refresh sees it final
+
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pump)
+        try:
+            final = await redraw()
+        except Exception as exc:  # raised below, outside the task group, as it is
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return final
+
+
+def run_watch(client: AsyncClient, job_id: str | None, as_json: bool) -> JobView | None:
+    """Run the view until the job ends (its final view) or Ctrl-C (None, after a clean exit)."""
+    if as_json:
+        try:
+            return anyio.run(follow, client, job_id,
+                             lambda views: output.print_json(views[0] if job_id is not None else views))
+        except KeyboardInterrupt:
+            return None
+    console = output.stdout()
+    shown = False
+    live = Live(Text(""), console=console, refresh_per_second=4)
+
+    def show(views: list[JobView]) -> None:
+        nonlocal shown
+        shown = True
+        live.update(watch_view(views, job_id is not None), refresh=True)
+
+    try:
+        with live:
+            return anyio.run(follow, client, job_id, show)
+    except KeyboardInterrupt:
+        return None
+    finally:
+        if shown and not console.is_terminal:
+            console.line()  # Live ends its last frame with a newline only on a terminal

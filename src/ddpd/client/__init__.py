@@ -1,0 +1,72 @@
+"""Python API of ddpd's control socket: `AsyncClient` (AnyIO) and the blocking `Client` over it.
+
+Error replies raise `RemoteError(code, message)`; a socket that cannot be reached raises
+`DaemonUnavailable` (`UnsafeSocket` when the default socket's directory belongs to another user),
+and a daemon that hangs up mid-reply `ConnectionLost`.
+"""
+
+from __future__ import annotations
+
+from ddpd.protocol import (
+    BUILTIN_TASKS,
+    ErrorCode,
+    JobSpec,
+    JobState,
+    RankState,
+    RemoteError,
+    SpecError,
+    Timeouts,
+    check_spec,
+)
+from ddpd.protocol.control import (
+    CancelResult,
+    DaemonInfo,
+    EventView,
+    JobPage,
+    JobView,
+    LogChunk,
+    RankView,
+    Reply,
+    Request,
+    RootCause,
+    SubmitResult,
+)
+
+from .aio import AsyncClient, AsyncConnection, AsyncStream
+from .blocking import Client, Connection, Stream
+from .errors import ConnectionLost, DaemonUnavailable, ProtocolError, UnsafeSocket
+from .wire import build_spec
+
+__all__ = [
+    "BUILTIN_TASKS",
+    "AsyncClient",
+    "AsyncConnection",
+    "AsyncStream",
+    "CancelResult",
+    "Client",
+    "Connection",
+    "ConnectionLost",
+    "DaemonInfo",
+    "DaemonUnavailable",
+    "ErrorCode",
+    "EventView",
+    "JobPage",
+    "JobSpec",
+    "JobState",
+    "JobView",
+    "LogChunk",
+    "ProtocolError",
+    "RankState",
+    "RankView",
+    "RemoteError",
+    "Reply",
+    "Request",
+    "RootCause",
+    "SpecError",
+    "Stream",
+    "SubmitResult",
+    "Timeouts",
+    "UnsafeSocket",
+    "build_spec",
+    "check_spec",
+]

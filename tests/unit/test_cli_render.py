@@ -1,0 +1,44 @@
+"""ddpctl's pure parts: what a cancel says it did, and the spec that submit's options build."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+import pytest
+
+from ddpd.cli.render import cancel_line
+from ddpd.cli.specs import spec_from_options, typed_value
+from ddpd.client import CancelResult, JobSpec, JobView, SpecError, Timeouts
+
+
+def view(state: str, spec: JobSpec | None = None) -> JobView:
+    return JobView(id="j3", name="", state=state, owner_uid=0, submitted_at=0.0, spec=spec or JobSpec())
+
+
+def test_cancel_says_what_it_did() -> None:
+    assert cancel_line(CancelResult("cancelled", view("CANCELLED"))) == "cancelled j3 (was QUEUED)"
+    graced = JobSpec(timeouts=Timeouts(kill_grace=7.5))
+    assert cancel_line(CancelResult("stopping", view("RUNNING", graced))) == (
+        "stopping j3: ranks asked to stop, teardown within 7.5s")
+    assert cancel_line(CancelResult("stopping", view("RUNNING"))).endswith("within the daemon's kill grace")
+    assert cancel_line(CancelResult("killing", view("RUNNING"))) == "killing j3"
+
+
+def test_submit_options_build_the_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    spec = spec_from_options({"nproc": 2, "kill_grace": 3.0, "env": ("A=1",), "options": ("lr=0.1", "x=yes"),
+                              "task": None}, ("train.py", "--lr", "1"))
+    assert spec.script == [str(tmp_path / "train.py"), "--lr", "1"] and spec.module is False
+    assert spec.nproc == 2 and spec.timeouts.kill_grace == 3.0 and spec.env == {"A": "1"}
+    assert spec.options == {"lr": 0.1, "x": "yes"} and spec.workdir == os.fspath(tmp_path)
+    assert spec_from_options({}, ("-m", "pkg.mod", "--steps", "1")).script == ["pkg.mod", "--steps", "1"]
+    assert spec_from_options({"module": True}, ("pkg.mod", "--", "a")).script == ["pkg.mod", "a"]
+    assert [typed_value(t) for t in ("true", "3", "-2.5e1", "abc")] == [True, 3, -25.0, "abc"]
+    with pytest.raises(click.BadParameter, match="KEY=VALUE"):
+        spec_from_options({"env": ("NOEQUALS",)}, ())
+    with pytest.raises(SpecError) as caught:
+        spec_from_options({"nproc": 0}, ())
+    assert caught.value.field == "nproc"
