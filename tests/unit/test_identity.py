@@ -1,0 +1,83 @@
+"""The submitter's identity: passwd lookups, Popen kwargs, who a daemon serves, the rank environment."""
+
+from __future__ import annotations
+
+import os
+import pwd
+
+import pytest
+
+from ddpd.daemon.identity import (
+    RANK_UMASK,
+    Identity,
+    UnknownUser,
+    check_interpreter,
+    check_serves,
+    job_environment,
+    popen_kwargs,
+)
+
+
+def test_identity_of_root_comes_from_passwd() -> None:
+    root = Identity.of(0)
+    entry = pwd.getpwuid(0)
+    assert (root.uid, root.gid, root.name, root.home) == (0, entry.pw_gid, entry.pw_name, entry.pw_dir)
+    assert entry.pw_gid in root.groups
+    assert root.identity_env() == {"HOME": entry.pw_dir, "USER": "root", "LOGNAME": "root", "SHELL": root.shell}
+
+
+def test_unknown_uid_is_refused_by_name() -> None:
+    with pytest.raises(UnknownUser, match="uid 4000000000 has no passwd entry"):
+        Identity.of(4_000_000_000)
+
+
+def test_popen_kwargs_switch_user_only_for_a_root_daemon() -> None:
+    who = Identity(uid=1234, gid=2345, groups=(2345, 27), name="ann", home="/home/ann", shell="/bin/bash")
+    assert popen_kwargs(who, daemon_uid=0) == {
+        "user": 1234, "group": 2345, "extra_groups": [2345, 27], "umask": RANK_UMASK,
+    }
+    assert popen_kwargs(who, daemon_uid=1234) == {}
+    assert RANK_UMASK == 0o077
+
+
+@pytest.mark.parametrize(
+    ("daemon", "peer", "allow_root", "refused"),
+    [
+        (0, 1000, False, None),
+        (0, 0, False, "jobs of root (uid 0) are refused"),
+        (0, 0, True, None),
+        (1000, 1000, False, None),
+        (1000, 1001, False, "serves that user only"),
+        (1000, 0, True, "serves that user only"),
+    ],
+)
+def test_check_serves(daemon: int, peer: int, allow_root: bool, refused: str | None) -> None:
+    reason = check_serves(daemon, peer, allow_root)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason
+
+
+def test_job_environment_layers_identity_extra_and_reserved() -> None:
+    who = Identity(uid=1234, gid=2345, groups=(2345,), name="ann", home="/home/ann", shell="/bin/zsh")
+    env = job_environment(
+        who,
+        exported={"HOME": "/tmp/spoofed", "USER": "root", "MY_SETTING": "hello", "DDPD_JOB_ID": "x"},
+        extra={"MY_SETTING": "override", "OTHER": "1"},
+        reserved={"DDPD_JOB_ID": "j-1"},
+    )
+    assert env == {
+        "HOME": "/home/ann", "USER": "ann", "LOGNAME": "ann", "SHELL": "/bin/zsh",
+        "MY_SETTING": "override", "OTHER": "1", "DDPD_JOB_ID": "j-1",
+    }
+
+
+def test_check_interpreter_needs_an_absolute_path() -> None:
+    reason = check_interpreter(Identity.of(os.getuid()), "python3", {}, timeout=5)
+    assert reason is not None and "must be an absolute path" in reason
+
+
+def test_check_interpreter_names_a_missing_file() -> None:
+    reason = check_interpreter(Identity.of(os.getuid()), "/nonexistent/bin/python", {}, timeout=5)
+    assert reason is not None and "does not exist" in reason
