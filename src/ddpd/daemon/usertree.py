@@ -33,6 +33,7 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _ELOOP = 40
 _ENOTDIR = 20
+_ENXIO = 6
 
 
 class UnsafePath(OSError):
@@ -157,6 +158,8 @@ def create_user_file(state_dir: str | Path, identity: Identity, *parts: str, nam
     except OSError as exc:
         if exc.errno == _ELOOP:
             raise UnsafePath(exc.errno, f"{where / name} is a symlink; not followed") from None
+        if exc.errno == _ENXIO:  # a FIFO nobody reads (O_NONBLOCK|O_WRONLY)
+            raise UnsafePath(exc.errno, f"{where / name} is not a regular file; refused") from None
         raise
     finally:
         os.close(fd)
