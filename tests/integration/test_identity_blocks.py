@@ -13,8 +13,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -306,3 +308,21 @@ def test_prepare_subtree_moves_residents_out_and_reports_controllers(cgroup_base
                 assert "not delegated" in subtree.unavailable[controller]
     finally:
         _end(resident)
+
+
+def test_wait_empty_wakes_on_the_event_not_the_timeout(cgroup_base: Path) -> None:
+    cg = AttemptCgroup.create(cgroup_base, "j-4-a1")
+    sleeper = subprocess.Popen(["/bin/sleep", "60"], stdin=subprocess.DEVNULL)
+    try:
+        cg.add(sleeper.pid)
+        assert cg.populated()
+        assert not cg.wait_empty(0.05)  # bounded: a live cgroup is reported, not waited on forever
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(cg.wait_empty, 120)
+            started = time.monotonic()
+            sleeper.kill()
+            assert waiting.result(timeout=PROC_TIMEOUT)
+            assert time.monotonic() - started < PROC_TIMEOUT
+    finally:
+        _end(sleeper)
+    cg.remove()
