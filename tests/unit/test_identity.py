@@ -14,6 +14,7 @@ from ddpd.daemon.identity import (
     check_interpreter,
     check_serves,
     job_environment,
+    may_see_detail,
     popen_kwargs,
 )
 
@@ -81,3 +82,14 @@ def test_check_interpreter_needs_an_absolute_path() -> None:
 def test_check_interpreter_names_a_missing_file() -> None:
     reason = check_interpreter(Identity.of(os.getuid()), "/nonexistent/bin/python", {}, timeout=5)
     assert reason is not None and "does not exist" in reason
+
+
+def test_detail_is_for_the_owner_root_and_the_admin_group() -> None:
+    ann = Identity(uid=1000, gid=1000, groups=(1000, 50), name="ann", home="/h/ann", shell="/bin/sh")
+    bob = Identity(uid=1001, gid=1001, groups=(1001,), name="bob", home="/h/bob", shell="/bin/sh")
+    root = Identity(uid=0, gid=0, groups=(0,), name="root", home="/root", shell="/bin/sh")
+    assert may_see_detail(ann, owner_uid=1000, admin=None)
+    assert not may_see_detail(bob, owner_uid=1000, admin=None)
+    assert may_see_detail(root, owner_uid=1000, admin=None)
+    assert may_see_detail(ann, owner_uid=1001, admin=50)
+    assert not may_see_detail(bob, owner_uid=1000, admin=50)

@@ -108,6 +108,23 @@ def check_serves(daemon_uid: int, peer_uid: int, allow_root_jobs: bool) -> str |
     return None
 
 
+def admin_gid(group: str | None) -> int | None:
+    """The gid of the config's admin group (blocking NSS lookup, like `Identity.of`); None if unset or unknown."""
+    if not group:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+def may_see_detail(viewer: Identity, owner_uid: int, admin: int | None) -> bool:
+    """Whether `viewer` may see a job's detail (spec, env, args, logs, events, stacks): its owner,
+    root, or a member of the admin group. Everyone else sees that the job exists and nothing more.
+    """
+    return viewer.uid in (owner_uid, 0) or (admin is not None and admin in viewer.groups)
+
+
 def job_environment(
     identity: Identity,
     exported: Mapping[str, str],
