@@ -326,3 +326,25 @@ def test_wait_empty_wakes_on_the_event_not_the_timeout(cgroup_base: Path) -> Non
     finally:
         _end(sleeper)
     cg.remove()
+
+
+def test_an_attempt_takes_over_a_pooled_workers_cgroup(cgroup_base: Path, subreaper: None) -> None:
+    pooled = AttemptCgroup.create(cgroup_base, "pool-1")
+    attempt = AttemptCgroup.create(cgroup_base, "j-5-a1")
+    rank = AttemptCgroup.create(attempt.path, "rank-0")
+    proc = spawn_gated(["/bin/sh", "-c", "/bin/sleep 60 & echo $!; exec /bin/sleep 60"], {}, "/", None, pooled.add,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, process_group=0)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    assert sorted(pooled.pids()) == sorted([proc.pid, child])
+    assert rank.take_over(pooled, PROC_TIMEOUT)
+    assert not pooled.path.exists()
+    assert sorted(rank.pids()) == sorted([proc.pid, child])
+    assert attempt.populated()  # populated counts the rank leaves below
+    assert attempt.kill(PROC_TIMEOUT)
+    proc.wait(PROC_TIMEOUT)
+    attempt.remove()
+    assert not attempt.path.exists()
+    os.waitpid(child, 0)  # reparented to this subreaper when its parent died
+    for pid in (proc.pid, child):
+        assert_gone(pid)

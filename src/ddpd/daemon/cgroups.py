@@ -179,7 +179,7 @@ class AttemptCgroup:
     path: Path
 
     @classmethod
-    def create(cls, parent: Path, name: str) -> AttemptCgroup:
+    def create(cls, parent: Path, name: str) -> AttemptCgroup:  # also a rank leaf: create(attempt.path, "rank-0")
         """`parent/name`, created (an existing one, e.g. left by a crash, is reused: kill it first)."""
         if not name or "/" in name or name in (".", ".."):
             raise ValueError(f"cgroup name {name!r} is not a single path component")
@@ -244,16 +244,37 @@ class AttemptCgroup:
         finally:
             os.close(fd)
 
+    def take_over(self, source: AttemptCgroup, timeout: float) -> bool:
+        """Move every process of `source` (e.g. a pooled worker's cgroup) here, then end and remove `source`.
+
+        A process forked during the move may stay behind: `source` is killed afterwards, so nothing
+        escapes; True if `source` emptied within `timeout` s and was removed.
+        """
+        for _ in range(100):
+            pids = source.pids()
+            if not pids:
+                break
+            for pid in pids:
+                self.add(pid)
+        if not source.kill(timeout):
+            return False
+        source.remove()
+        return True
+
     def remove(self) -> None:
-        """Remove the (empty) cgroup; CgroupError(EBUSY) while processes are left in it."""
-        try:
-            self.path.rmdir()
-        except FileNotFoundError:
+        """Remove the (empty) cgroup and its child cgroups; CgroupError(EBUSY) while processes are left."""
+        if not self.path.exists():
             return
-        except OSError as exc:
-            if exc.errno == errno.EBUSY:
-                raise CgroupError(exc.errno, f"{self.path} still has processes; not removed") from None
-            raise
+        dirs = sorted((p for p in self.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+        for path in [*dirs, self.path]:
+            try:
+                path.rmdir()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    raise CgroupError(exc.errno, f"{path} still has processes; not removed") from None
+                raise
 
 
 def _read(path: Path) -> str:
