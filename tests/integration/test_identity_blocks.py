@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.cgroups import AttemptCgroup, own_cgroup, prepare_subtree, probe
+from ddpd.daemon.cgroups import AttemptCgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
 from ddpd.daemon.gate import spawn_gated
 from ddpd.daemon.identity import Identity, check_interpreter, popen_kwargs
 from ddpd.daemon.usertree import create_user_file, ensure_base, job_dir
@@ -266,7 +266,7 @@ def test_cgroup_kill_ends_a_setsid_double_forked_escapee(
     users: tuple[Identity, Identity], cgroup_base: Path, subreaper: None
 ) -> None:
     ann, _ = users
-    subtree = prepare_subtree(cgroup_base)
+    subtree = prepare_subtree(cgroup_base, "test")
     cg = AttemptCgroup.create(subtree.jobs, "j-2-a1")
     proc = spawn_gated([SYSTEM_PYTHON, "-c", ESCAPE], {"PATH": "/usr/bin:/bin"}, "/", ann, cg.add,
                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, process_group=0)
@@ -290,12 +290,12 @@ def test_prepare_subtree_moves_residents_out_and_reports_controllers(cgroup_base
     resident = subprocess.Popen(["/bin/sleep", "60"], stdin=subprocess.DEVNULL)
     try:
         AttemptCgroup(cgroup_base).add(resident.pid)
-        subtree = prepare_subtree(cgroup_base)
+        subtree = prepare_subtree(cgroup_base, "test")
         assert subtree.jobs == cgroup_base / "jobs"
         assert AttemptCgroup(cgroup_base).pids() == []
         assert AttemptCgroup(cgroup_base / "daemon").pids() == [resident.pid]
         assert own_cgroup(resident.pid) == cgroup_base / "daemon"
-        assert prepare_subtree(cgroup_base) == subtree  # a restarted daemon finds it done
+        assert prepare_subtree(cgroup_base, "test") == subtree  # a restarted daemon finds it done
         cg = AttemptCgroup.create(subtree.jobs, "j-3-a1")
         report = cg.set_limits(memory_bytes=1 << 30, cpus=1.5)
         wanted = (("memory", "memory.max", str(1 << 30)), ("cpu", "cpu.max", "150000 100000"))
@@ -348,3 +348,18 @@ def test_an_attempt_takes_over_a_pooled_workers_cgroup(cgroup_base: Path, subrea
     os.waitpid(child, 0)  # reparented to this subreaper when its parent died
     for pid in (proc.pid, child):
         assert_gone(pid)
+
+
+def test_prepare_subtree_at_the_root_moves_nobody(cgroup_base: Path) -> None:
+    root = parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    assert root is not None
+    before = own_cgroup()
+    instance = f"test-{uuid.uuid4().hex[:8]}"
+    subtree = prepare_subtree(root, instance)
+    try:
+        assert subtree.jobs == root / f"ddpd-{instance}"
+        assert own_cgroup() == before  # the root holds the whole machine: nothing was moved
+        assert not (root / "daemon").exists()
+        assert set(subtree.controllers) | set(subtree.unavailable) == {"memory", "cpu", "pids"}
+    finally:
+        AttemptCgroup(subtree.jobs).remove()

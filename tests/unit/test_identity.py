@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pwd
+import time
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +95,37 @@ def test_detail_is_for_the_owner_root_and_the_admin_group() -> None:
     assert may_see_detail(root, owner_uid=1000, admin=None)
     assert may_see_detail(ann, owner_uid=1001, admin=50)
     assert not may_see_detail(bob, owner_uid=1000, admin=50)
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_check_interpreter_is_bounded_in_time(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, "exec sleep 60")
+    started = time.monotonic()
+    reason = check_interpreter(Identity.of(os.getuid()), python, {"PATH": "/usr/bin:/bin"}, timeout=0.5)
+    assert reason is not None and "did not finish `import torch, ddpd.worker` within 0.5 s" in reason
+    assert time.monotonic() - started < 10
+
+
+def test_check_interpreter_keeps_only_the_tail_of_endless_output(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, "exec yes 'ModuleNotFoundError: No module named '\"'\"'x'\"'\"'' >&2")
+    reason = check_interpreter(Identity.of(os.getuid()), python, {"PATH": "/usr/bin:/bin"}, timeout=0.5)
+    assert reason is not None and "within 0.5 s" in reason
+
+
+def test_check_interpreter_names_the_missing_module(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, "echo \"ModuleNotFoundError: No module named 'ddpd'\" >&2; exit 1")
+    reason = check_interpreter(Identity.of(os.getuid()), python, {"PATH": "/usr/bin:/bin"}, timeout=10)
+    assert reason is not None
+    assert "cannot import ddpd" in reason and "pip install ddpd" in reason
+
+
+def test_check_interpreter_reports_another_failure_by_its_last_line(tmp_path: Path) -> None:
+    python = _fake_python(tmp_path, "echo 'ImportError: libcuda.so.1: cannot open shared object file' >&2; exit 1")
+    reason = check_interpreter(Identity.of(os.getuid()), python, {"PATH": "/usr/bin:/bin"}, timeout=10)
+    assert reason is not None and reason.endswith("ImportError: libcuda.so.1: cannot open shared object file")

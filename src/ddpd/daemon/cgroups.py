@@ -131,12 +131,19 @@ class Subtree:
     unavailable: dict[str, str] = field(default_factory=dict)
 
 
-def prepare_subtree(base: Path, wanted: tuple[str, ...] = WANTED_CONTROLLERS) -> Subtree:
-    """Move every process of `base` into `base/daemon`, create `base/jobs`, enable `wanted` controllers.
+def prepare_subtree(base: Path, instance: str, wanted: tuple[str, ...] = WANTED_CONTROLLERS) -> Subtree:
+    """Split `base` (the daemon's delegated cgroup) for attempts; idempotent across restarts.
 
-    Idempotent (a restarted daemon finds the split done). A controller that `base` does not offer
-    is reported in `Subtree.unavailable` with the reason.
+    Normally: every process of `base` moves into `base/daemon`, attempts go under `base/jobs`, and
+    the `wanted` controllers that `base` offers are enabled for them. When `base` is the root of the
+    hierarchy (a daemon started outside any unit), nothing is moved (the root holds every process
+    of the machine, and the no-internal-process rule does not bind it) and attempts go under
+    `base/ddpd-<instance>` (`instance` names this daemon, e.g. a digest of its state directory),
+    with only the controllers the root already hands down. A controller that cannot be had is
+    reported in `Subtree.unavailable` with the reason.
     """
+    if not (base / "cgroup.type").exists():  # only the root cgroup lacks it
+        return _prepare_under_root(base, instance, wanted)
     leaf = base / DAEMON_LEAF
     jobs = base / JOBS_DIR
     leaf.mkdir(exist_ok=True)
@@ -162,6 +169,27 @@ def prepare_subtree(base: Path, wanted: tuple[str, ...] = WANTED_CONTROLLERS) ->
             continue
         enabled.add(name)
     return Subtree(base, jobs, frozenset(enabled), unavailable)
+
+
+def _prepare_under_root(root: Path, instance: str, wanted: tuple[str, ...]) -> Subtree:
+    if not instance or "/" in instance or instance in (".", ".."):
+        raise ValueError(f"instance {instance!r} is not a single path component")
+    jobs = root / f"ddpd-{instance}"
+    jobs.mkdir(exist_ok=True)
+    offered = set(_read(jobs / "cgroup.controllers").split())
+    enabled: set[str] = set()
+    unavailable: dict[str, str] = {}
+    for name in wanted:
+        if name not in offered:
+            unavailable[name] = f"controller {name} is not enabled at the root of {root} (cgroup.subtree_control)"
+            continue
+        try:
+            _write(jobs / "cgroup.subtree_control", f"+{name}")
+        except OSError as exc:
+            unavailable[name] = f"controller {name} cannot be enabled under {jobs}: {exc.strerror}"
+            continue
+        enabled.add(name)
+    return Subtree(root, jobs, frozenset(enabled), unavailable)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,10 @@ import grp
 import os
 import pwd
 import re
+import selectors
+import signal
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -148,26 +151,24 @@ def check_interpreter(
     """Why `python` cannot run a rank as `identity`, or None when it imports torch and ddpd.worker.
 
     Runs `python -c "import torch, ddpd.worker"` as the user (`popen_kwargs`) with the job's `env`,
-    in `/`, stdin from /dev/null, for at most `timeout` seconds. Blocking (a child process and
-    `import torch`, about 2 s): call via anyio.to_thread.
+    in `/`, stdin from /dev/null, in a process group of its own that is killed afterwards, for at
+    most `timeout` seconds, keeping only the tail of what it writes to stderr. Blocking (a child
+    process and `import torch`, about 2 s): call via anyio.to_thread.
     """
     if not os.path.isabs(python):
         return f"python {python!r} must be an absolute path (ddpctl sends sys.executable or --python PATH)"
     who = f"user {identity.name} (uid {identity.uid})"
     try:
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [python, "-c", INTERPRETER_CHECK],
             env=dict(env),
             cwd="/",
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            timeout=timeout,
-            check=False,
+            process_group=0,
             **popen_kwargs(identity, daemon_uid),
         )
-    except subprocess.TimeoutExpired:
-        return f"python {python} did not finish `{INTERPRETER_CHECK}` within {timeout:g} s as {who}"
     except FileNotFoundError:
         return f"python {python} does not exist (or a directory on its path is missing)"
     except PermissionError:
@@ -177,9 +178,21 @@ def check_interpreter(
         )
     except OSError as exc:
         return f"python {python} cannot be started as {who}: {exc.strerror or exc}"
-    if done.returncode == 0:
+    try:
+        tail, exited = _tail_and_wait(proc, timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the leader is not reaped yet: its group id is still its own
+        except ProcessLookupError:
+            pass
+        returncode = proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    if not exited:
+        return f"python {python} did not finish `{INTERPRETER_CHECK}` within {timeout:g} s as {who}"
+    if returncode == 0:
         return None
-    err = done.stderr[-CHECK_OUTPUT_LIMIT:].decode(errors="replace")
+    err = tail.decode(errors="replace")
     missing = _MISSING.search(err)
     if missing:
         module = missing.group(1)
@@ -188,5 +201,35 @@ def check_interpreter(
             f"python {python} cannot import {module} as {who} (No module named '{module}'); "
             f"install it into that environment ({hint})"
         )
-    last = err.strip().splitlines()[-1] if err.strip() else f"exit status {done.returncode}"
+    last = err.strip().splitlines()[-1] if err.strip() else f"exit status {returncode}"
     return f"python {python} failed `{INTERPRETER_CHECK}` as {who}: {last}"
+
+
+def _tail_and_wait(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bool]:
+    """The last CHECK_OUTPUT_LIMIT bytes of `proc`'s stderr, and whether it exited within `timeout` s.
+
+    Reads as output comes, so a child that writes without end costs bounded memory and time; waits
+    for the exit on a pidfd without reaping, so the caller can still signal the child's group.
+    """
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    tail = b""
+    err = proc.stderr.fileno()
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(err, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return tail, False
+                chunk = os.read(err, 65536)
+                if not chunk:
+                    break
+                tail = (tail + chunk)[-CHECK_OUTPUT_LIMIT:]
+            sel.unregister(err)
+            sel.register(pidfd, selectors.EVENT_READ)
+            left = deadline - time.monotonic()
+            return tail, left > 0 and bool(sel.select(left))
+    finally:
+        os.close(pidfd)
