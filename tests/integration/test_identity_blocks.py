@@ -363,3 +363,38 @@ def test_prepare_subtree_at_the_root_moves_nobody(cgroup_base: Path) -> None:
         assert set(subtree.controllers) | set(subtree.unavailable) == {"memory", "cpu", "pids"}
     finally:
         AttemptCgroup(subtree.jobs).remove()
+
+
+def test_gate_enters_the_working_directory_as_the_user(
+    users: tuple[Identity, Identity], cgroup_base: Path, public_tmp: Path
+) -> None:
+    """Popen's cwd= would chdir as root, letting a job start inside a directory closed to its user."""
+    ann, _ = users
+    closed = public_tmp / "roots"
+    closed.mkdir(mode=0o700)
+    marker = public_tmp / "ran"
+    cg = AttemptCgroup.create(cgroup_base, "j-6-a1")
+    proc = spawn_gated(["/bin/sh", "-c", f"touch {marker}"], {}, str(closed), ann, cg.add,
+                       stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=PROC_TIMEOUT)
+    assert proc.returncode == 127
+    assert f"cannot start /bin/sh in {closed}" in err.decode() and "Permission denied" in err.decode()
+    assert not marker.exists()
+    assert_gone(proc.pid)
+    cg.remove()
+
+
+def test_check_interpreter_leaves_nothing_of_the_user_behind(
+    users: tuple[Identity, Identity], public_tmp: Path, subreaper: None
+) -> None:
+    ann, _ = users
+    python = public_tmp / "python"
+    pidfile = public_tmp / "child.pid"
+    pidfile.touch()
+    os.chown(pidfile, ann.uid, ann.gid)
+    python.write_text(f"#!/bin/sh\n/bin/sleep 60 &\necho $! > {pidfile}\nexit 0\n")
+    python.chmod(0o755)
+    assert check_interpreter(ann, str(python), {"PATH": "/usr/bin:/bin"}, timeout=PROC_TIMEOUT) is None
+    child = int(pidfile.read_text())
+    os.waitpid(child, 0)  # killed with the check's group, reparented to this subreaper
+    assert_gone(child)

@@ -208,28 +208,38 @@ def check_interpreter(
 def _tail_and_wait(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bool]:
     """The last CHECK_OUTPUT_LIMIT bytes of `proc`'s stderr, and whether it exited within `timeout` s.
 
-    Reads as output comes, so a child that writes without end costs bounded memory and time; waits
-    for the exit on a pidfd without reaping, so the caller can still signal the child's group.
+    Reads as output comes, so a child that writes without end costs bounded memory and time. The
+    exit is seen on a pidfd (a background child may hold stderr open after the interpreter is
+    gone), without reaping, so the caller can still signal the child's group.
     """
     assert proc.stderr is not None
     deadline = time.monotonic() + timeout
     tail = b""
     err = proc.stderr.fileno()
+    os.set_blocking(err, False)
     pidfd = os.pidfd_open(proc.pid)
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(err, selectors.EVENT_READ)
+            sel.register(pidfd, selectors.EVENT_READ)
+            reading = True
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sel.select(left):
+                ready = {key.fd for key, _ in sel.select(left)} if left > 0 else set()
+                if not ready:
                     return tail, False
-                chunk = os.read(err, 65536)
-                if not chunk:
-                    break
-                tail = (tail + chunk)[-CHECK_OUTPUT_LIMIT:]
-            sel.unregister(err)
-            sel.register(pidfd, selectors.EVENT_READ)
-            left = deadline - time.monotonic()
-            return tail, left > 0 and bool(sel.select(left))
+                if reading:
+                    for _ in range(16):  # what is there now, bounded: a writer may never stop
+                        try:
+                            chunk = os.read(err, 65536)
+                        except BlockingIOError:
+                            break
+                        if not chunk:
+                            sel.unregister(err)
+                            reading = False
+                            break
+                        tail = (tail + chunk)[-CHECK_OUTPUT_LIMIT:]
+                if pidfd in ready:
+                    return tail, True
     finally:
         os.close(pidfd)
