@@ -108,3 +108,11 @@ def test_a_foreign_directory_is_refused(state: Path, who: Identity) -> None:
 def test_path_components_are_single_names(state: Path, who: Identity, part: str) -> None:
     with pytest.raises(UnsafePath, match="is not a single path component"):
         ensure_dirs(state, who, "jobs", part)
+
+
+def test_the_state_directory_itself_may_be_the_admins_symlink(tmp_path: Path, who: Identity) -> None:
+    real = tmp_path / "data"
+    real.mkdir()
+    (tmp_path / "state").symlink_to(real)
+    ensure_base(tmp_path / "state")
+    assert job_dir(tmp_path / "state", who, "j-1").resolve() == real / "users" / str(who.uid) / "jobs" / "j-1"

@@ -30,6 +30,7 @@ from ddpd.daemon.identity import Identity
 USERS_DIR = "users"
 JOBS_DIR = "jobs"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+BASE_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the state directory is the admin's: may be a link
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _ELOOP = 40
 _ENOTDIR = 20
@@ -83,7 +84,7 @@ def _make_dir(parent_fd: int, name: str, where: str, uid: int, gid: int, mode: i
 def ensure_base(state_dir: str | Path) -> None:
     """`<state_dir>` and `<state_dir>/users`, root's, 0711 (traversable only)."""
     os.makedirs(state_dir, mode=0o711, exist_ok=True)
-    base = os.open(state_dir, DIR_FLAGS)
+    base = os.open(state_dir, BASE_FLAGS)
     try:
         os.fchmod(base, 0o711)
         os.close(_make_dir(base, USERS_DIR, f"{state_dir}/{USERS_DIR}", os.geteuid(), os.getegid(), 0o711))
@@ -102,7 +103,7 @@ def open_user_dir(state_dir: str | Path, identity: Identity) -> int:
 
 
 def _open_users(state_dir: str | Path) -> int:
-    base = os.open(state_dir, DIR_FLAGS)
+    base = os.open(state_dir, BASE_FLAGS)
     try:
         users = _open_dir(base, USERS_DIR, f"{state_dir}/{USERS_DIR}")
     finally:
