@@ -154,21 +154,7 @@ def prepare_subtree(base: Path, instance: str, wanted: tuple[str, ...] = WANTED_
             break
         for pid in pids:
             _move(leaf, pid)
-    offered = set(_read(base / "cgroup.controllers").split())
-    enabled: set[str] = set()
-    unavailable: dict[str, str] = {}
-    for name in wanted:
-        if name not in offered:
-            unavailable[name] = f"controller {name} is not delegated to {base} (cgroup.controllers)"
-            continue
-        try:
-            _write(base / "cgroup.subtree_control", f"+{name}")
-            _write(jobs / "cgroup.subtree_control", f"+{name}")
-        except OSError as exc:
-            unavailable[name] = f"controller {name} cannot be enabled under {base}: {exc.strerror}"
-            continue
-        enabled.add(name)
-    return Subtree(base, jobs, frozenset(enabled), unavailable)
+    return _enable(base, jobs, [base, jobs], wanted, f"is not delegated to {base} (cgroup.controllers)")
 
 
 def _prepare_under_root(root: Path, instance: str, wanted: tuple[str, ...]) -> Subtree:
@@ -176,20 +162,26 @@ def _prepare_under_root(root: Path, instance: str, wanted: tuple[str, ...]) -> S
         raise ValueError(f"instance {instance!r} is not a single path component")
     jobs = root / f"ddpd-{instance}"
     jobs.mkdir(exist_ok=True)
-    offered = set(_read(jobs / "cgroup.controllers").split())
+    return _enable(root, jobs, [jobs], wanted, f"is not enabled at the root of {root} (cgroup.subtree_control)")
+
+
+def _enable(base: Path, jobs: Path, targets: list[Path], wanted: tuple[str, ...], missing: str) -> Subtree:
+    """Enable each wanted controller that `jobs` can get in the `targets`' subtree_control, in order."""
+    offered = set(_read(targets[0] / "cgroup.controllers").split())
     enabled: set[str] = set()
     unavailable: dict[str, str] = {}
     for name in wanted:
         if name not in offered:
-            unavailable[name] = f"controller {name} is not enabled at the root of {root} (cgroup.subtree_control)"
+            unavailable[name] = f"controller {name} {missing}"
             continue
         try:
-            _write(jobs / "cgroup.subtree_control", f"+{name}")
+            for target in targets:
+                _write(target / "cgroup.subtree_control", f"+{name}")
         except OSError as exc:
-            unavailable[name] = f"controller {name} cannot be enabled under {jobs}: {exc.strerror}"
+            unavailable[name] = f"controller {name} cannot be enabled under {base}: {exc.strerror}"
             continue
         enabled.add(name)
-    return Subtree(root, jobs, frozenset(enabled), unavailable)
+    return Subtree(base, jobs, frozenset(enabled), unavailable)
 
 
 @dataclass(frozen=True)
