@@ -1,87 +1,69 @@
-"""The durable queue: admission, resources, one runner task per job, restarts, recovery."""
+"""The durable queue: admission, one runner task per job, restarts, recovery, retention and removal.
+
+Decisions on job states come from `lifecycle`; every write goes through the journal. A job is saved
+before it is published: a submission whose row cannot be written raises StorageError and leaves no trace.
+"""
 
 from __future__ import annotations
 
+import heapq
+import math
 import os
 import secrets
+import shutil
 import signal
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import structlog
 
-from ..protocol import JobSpec, JobState, SpecError, check_spec
+from ..protocol import JobSpec, JobState
 from ..protocol.control import RootCause
+from . import lifecycle
+from .admission import admit, check_key, check_limits
 from .config import Config
-from .jobs import Job, Journal, job_from_row, rank_from_row
+from .errors import ForbiddenError, NotRunnableError, StorageError
+from .journal import Journal
 from .pool import WarmPool
 from .procs import find_members, proc_environ_has
+from .records import Job, job_dir
+from .resources import Resources
 from .supervisor import Attempt, Outcome
 
 log = structlog.get_logger("ddpd")
 
-
-class Resources:
-    """GPUs (by index) and CPU slots; a job takes all it needs or waits."""
-
-    def __init__(self, gpus: int, cpu_slots: int) -> None:
-        self.total_gpus = gpus
-        self.free_gpus = list(range(gpus))
-        self.total_cpu = cpu_slots
-        self.free_cpu = cpu_slots
-
-    @staticmethod
-    def need(spec: JobSpec) -> tuple[int, int]:
-        gpus = spec.nproc * spec.gpus_per_rank
-        return gpus, (0 if gpus else spec.nproc)
-
-    def can_ever_fit(self, spec: JobSpec) -> str | None:
-        gpus, cpu = self.need(spec)
-        if gpus > self.total_gpus:
-            return (f"needs {gpus} GPUs ({spec.nproc} ranks x {spec.gpus_per_rank}) but the daemon has "
-                    f"{self.total_gpus}")
-        if cpu > self.total_cpu:
-            return f"needs {cpu} CPU slots ({spec.nproc} ranks) but the daemon has {self.total_cpu}"
-        return None
-
-    def take(self, spec: JobSpec) -> list[int] | None:
-        gpus, cpu = self.need(spec)
-        if gpus > len(self.free_gpus) or cpu > self.free_cpu:
-            return None
-        taken, self.free_gpus = self.free_gpus[:gpus], self.free_gpus[gpus:]
-        self.free_cpu -= cpu
-        return taken
-
-    def busy_cpu(self) -> int:
-        """CPU slots held by running jobs (ranks that occupy a CPU; GPU jobs mostly wait on their devices)."""
-        return self.total_cpu - self.free_cpu
-
-    def give_back(self, spec: JobSpec, gpus: list[int]) -> None:
-        self.free_gpus = sorted(self.free_gpus + gpus)
-        self.free_cpu += self.need(spec)[1]
+RETENTION_RETRY = 60.0  # seconds before a prune that could not write is tried again
 
 
 class Scheduler:
-    def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None) -> None:
+    def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.pool = pool
         self.journal = journal
         self.resources = resources
+        self.clock = clock  # wall-clock time (retention is counted in it)
         self.jobs: dict[str, Job] = {}
+        self.unended: dict[str, Job] = {}  # jobs not in a final state: what the queue loop looks at
         self.attempts: dict[str, Attempt] = {}
         self.running: set[str] = set()
         self._wake = anyio.Event()
         self._seq = 0
         self.accepting = True
         self._idle = anyio.Event()
+        self._keys: dict[tuple[int, str], str] = {}  # (owner, idempotency key) -> job id
+        self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
+        self._expiry: list[tuple[float, str]] = []  # heap of (prune time, job id)
+        self._expiry_wake = anyio.Event()
 
     # -- queries ---------------------------------------------------------------------------
 
     def counts(self) -> tuple[int, int]:
-        queued = sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
+        queued = sum(1 for j in self.unended.values() if j.state is JobState.QUEUED)
         return len(self.running), queued
 
     def timeouts(self, spec: JobSpec) -> dict[str, Any]:
@@ -96,16 +78,29 @@ class Scheduler:
             "stop_warning": t.stop_warning or d.stop_warning,
         }
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
+        self.resources.resize_cpu(config.cpu_slots)
+        retention_changed = config.retention != self.config.retention
+        self.config = config
+        if retention_changed:
+            self._expiry = []
+            for job in self.jobs.values():
+                self._schedule_expiry(job)
+            self._expiry_wake.set()
+        self._notify()  # a raised limit may let queued jobs start
+
     # -- admission -------------------------------------------------------------------------
 
-    async def submit(self, spec: JobSpec, owner_uid: int) -> Job:
-        spec = check_spec(spec)
-        await anyio.to_thread.run_sync(_check_paths, spec)
-        if spec.device == "cuda" and self.resources.total_gpus == 0:
-            raise SpecError("device", "cuda was asked for but the daemon has no GPUs")
-        problem = self.resources.can_ever_fit(spec)
-        if problem:
-            raise SpecError("nproc" if "CPU" in problem else "gpus_per_rank", f"can never run here: {problem}")
+    async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
+        key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
+        while key is not None and (pending := self._pending_keys.get(key)) is not None:
+            await pending.wait()  # the same key is being submitted: its outcome decides
+        if key is not None and key in self._keys:
+            return self.jobs[self._keys[key]], True
+        spec = await admit(spec, self.config, self.resources)
+        check_limits(self.config, self.unended.values(), owner_uid)
         self._seq += 1
         job = Job(
             id=f"j{self._seq}-{secrets.token_hex(2)}",
@@ -114,14 +109,25 @@ class Scheduler:
             owner_uid=owner_uid,
             spec=spec,
             state=JobState.QUEUED,
-            submitted_at=time.time(),
+            submitted_at=self.clock(),
+            idempotency_key=idempotency_key,
         )
-        self.jobs[job.id] = job
-        await self.journal.save_job(job)
+        done = anyio.Event()
+        if key is not None:
+            self._pending_keys[key] = done
+        try:
+            await self.journal.create_job(job)  # StorageError: nothing published
+        finally:
+            if key is not None:
+                del self._pending_keys[key]
+            done.set()
+        self.jobs[job.id] = self.unended[job.id] = job
+        if key is not None:
+            self._keys[key] = job.id
         await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
                                  task=spec.task, script=spec.script)
         self._notify()
-        return job
+        return job, False
 
     async def cancel(self, job: Job, reason: str, force: bool) -> None:
         if job.state.final:
@@ -129,12 +135,22 @@ class Scheduler:
         job.cancel_requested = reason
         if job.state is JobState.QUEUED:
             await self.journal.job_state(job, JobState.CANCELLED, reason)
-            await self._finished_event(job)
+            await self._ended(job)
             self._notify()
             return
         attempt = self.attempts.get(job.id)
         if attempt is not None:
             attempt.request_cancel(reason, force)
+
+    async def remove(self, job: Job, uid: int) -> None:
+        """`rm`: forget an ended job (row, ranks, attempts, events, logs and checkpoints); owner or root."""
+        if uid not in (0, job.owner_uid):
+            raise ForbiddenError(f"job {job.id} belongs to uid {job.owner_uid}; only it or root may remove it")
+        refused = lifecycle.removal_refused(job.state)
+        if refused is not None:
+            raise NotRunnableError(f"job {job.id}: {refused}")
+        await self._delete(job)
+        await self.journal.event(None, "job.removed", removed=job.id, by_uid=uid)
 
     def _notify(self) -> None:
         self._wake.set()
@@ -142,13 +158,16 @@ class Scheduler:
     # -- the scheduling loop ---------------------------------------------------------------
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._prune_expired)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
+            for job_id in [i for i, j in self.unended.items() if j.state.final]:
+                del self.unended[job_id]
             if not self.accepting:
                 continue
             queued = sorted(
-                (j for j in self.jobs.values() if j.state is JobState.QUEUED and j.id not in self.running),
+                (j for j in self.unended.values() if j.state is JobState.QUEUED and j.id not in self.running),
                 key=lambda j: (-j.spec.priority, j.seq),
             )
             for job in queued:  # strict order: the head of the queue is never overtaken
@@ -195,35 +214,82 @@ class Scheduler:
                 attempt.request_shutdown()
             outcome = await attempt.run()
             job.root_cause = outcome.root_cause
-            if outcome.state is JobState.QUEUED:
+            new = lifecycle.after_attempt(outcome.state, outcome.reason, attempt=job.attempt,
+                                          max_restarts=job.spec.max_restarts,
+                                          cancel_requested=job.cancel_requested is not None,
+                                          accepting=self.accepting)
+            if new is JobState.QUEUED:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
                 return
-            restarts_used = job.attempt - 1
-            out_of_time = outcome.reason == "wall_time"  # wall time counts from the first start
-            if (outcome.state in (JobState.FAILED, JobState.TIMED_OUT) and restarts_used < job.spec.max_restarts
-                    and not out_of_time and not job.cancel_requested and self.accepting):
-                await self.journal.job_state(job, JobState.RESTARTING, outcome.reason,
-                                             root_cause=_rc(outcome))
+            await self.journal.job_state(job, new, outcome.reason, root_cause=_rc(outcome))
+            if new is JobState.RESTARTING:
                 continue
-            await self.journal.job_state(job, outcome.state, outcome.reason, root_cause=_rc(outcome))
-            await self._finished_event(job)
+            await self._ended(job)
             return
 
     async def _fail_internal(self, job: Job, exc: Exception) -> None:
+        """Never raises: the job ends FAILED in memory even when nothing can be written."""
         if job.state.final:
             return
         job.root_cause = RootCause(reason="internal_error", attempt=job.attempt, detail=repr(exc))
-        await self.journal.job_state(job, JobState.FAILED, "internal_error")
-        await self._finished_event(job)
+        try:
+            await self.journal.job_state(job, JobState.FAILED, "internal_error")
+            await self._ended(job)
+        except Exception:
+            log.exception("job.internal_error_unrecorded", job_id=job.id)
+            job.state, job.reason, job.finished_at = JobState.FAILED, "internal_error", self.clock()
+            job.finished.set()
 
-    async def _finished_event(self, job: Job) -> None:
+    async def _ended(self, job: Job) -> None:
+        """A job reached its final state: the summary event, and its place in the retention heap."""
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
         rc = job.root_cause
+        self._schedule_expiry(job)
         await self.journal.event(
             job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
             attempts=job.attempt, root_cause=None if rc is None else rc.detail,
             root_cause_rank=None if rc is None else rc.rank,
         )
+
+    # -- retention ---------------------------------------------------------------------------
+
+    def _schedule_expiry(self, job: Job) -> None:
+        at = lifecycle.expires_at(job.state, job.finished_at, self.config.retention)
+        if at is None:
+            return
+        if not self._expiry or at < self._expiry[0][0]:
+            self._expiry_wake.set()  # sooner than the task sleeps for
+        heapq.heappush(self._expiry, (at, job.id))
+
+    async def _prune_expired(self) -> None:
+        """Prune ended jobs past the retention; sleeps until the next one expires (no polling)."""
+        while True:
+            self._expiry_wake = anyio.Event()
+            now = self.clock()
+            while self._expiry and self._expiry[0][0] <= now:
+                _, job_id = heapq.heappop(self._expiry)
+                job = self.jobs.get(job_id)
+                if job is None or lifecycle.expires_at(job.state, job.finished_at, self.config.retention) is None:
+                    continue  # removed already, or retention turned off
+                try:
+                    await self._delete(job)
+                    log.info("job.pruned", job_id=job.id, finished_at=job.finished_at)
+                except StorageError as exc:
+                    log.error("job.prune_failed", job_id=job.id, error=exc.message)
+                    heapq.heappush(self._expiry, (now + RETENTION_RETRY, job.id))
+                    break
+            delay = self._expiry[0][0] - self.clock() if self._expiry else math.inf
+            with anyio.move_on_after(max(delay, 0.0)):
+                await self._expiry_wake.wait()
+
+    async def _delete(self, job: Job) -> None:
+        await self.journal.delete_job(job.id)  # StorageError: kept as it was
+        self.jobs.pop(job.id, None)
+        self.unended.pop(job.id, None)
+        if job.idempotency_key is not None:
+            self._keys.pop((job.owner_uid, job.idempotency_key), None)
+        path = job_dir(self.config.state_dir, job.id)
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -243,35 +309,35 @@ class Scheduler:
 
     async def recover(self) -> None:
         """Load every job; kill what is left of jobs that were running; keep the queue in order."""
-        rows = await self.journal.db.query("SELECT * FROM jobs ORDER BY seq")
-        for row in rows:
-            job = job_from_row(row)
+        jobs = await self.journal.load_jobs()
+        ranks = await self.journal.load_current_ranks()
+        for job in jobs:
             self.jobs[job.id] = job
             self._seq = max(self._seq, job.seq)
-            ranks = await self.journal.db.query(
-                "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank", (job.id, job.attempt))
-            job.ranks = [rank_from_row(r) for r in ranks]
+            job.ranks = ranks.get(job.id, [])
+            if job.idempotency_key is not None:
+                self._keys[(job.owner_uid, job.idempotency_key)] = job.id
             if job.state.final:
-                job.finished.set()
-        for job in self.jobs.values():
-            if job.state in (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING):
-                killed = await self._kill_attempt_leftovers(job)
-                restarts_used = job.attempt
-                if restarts_used <= job.spec.max_restarts:
-                    await self.journal.job_state(job, JobState.QUEUED, "daemon_restart", killed=killed)
-                else:
-                    job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
-                                               detail="the daemon stopped while the job was running")
-                    await self.journal.job_state(job, JobState.FAILED, "daemon_restart", killed=killed)
-                    await self._finished_event(job)
+                self._schedule_expiry(job)
+            else:
+                self.unended[job.id] = job
+        for job in list(self.unended.values()):
+            new = lifecycle.after_daemon_restart(job.state, attempt=job.attempt, max_restarts=job.spec.max_restarts)
+            if new is None:
+                continue
+            killed = await self._kill_attempt_leftovers(job)
+            if new is JobState.FAILED:
+                job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
+                                           detail="the daemon stopped while the job was running")
+            await self.journal.job_state(job, new, "daemon_restart", killed=killed)
+            if new.final:
+                await self._ended(job)
         self._notify()
 
     async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
-        rows = await self.journal.db.query(
-            "SELECT pgid, token FROM attempts WHERE job_id = ? AND attempt = ?", (job.id, job.attempt))
         killed: list[int] = []
-        for row in rows:
-            marker = f"DDPD_ATTEMPT={job.id}:{job.attempt}:{row['token']}".encode()
+        for token in await self.journal.attempt_tokens(job.id, job.attempt):
+            marker = f"DDPD_ATTEMPT={job.id}:{job.attempt}:{token}".encode()
             members = await anyio.to_thread.run_sync(find_members, None, marker)
             for p in members:
                 # checked against /proc just before signalling: only this attempt's processes
@@ -288,16 +354,3 @@ class Scheduler:
 
 def _rc(outcome: Outcome) -> str | None:
     return None if outcome.root_cause is None else outcome.root_cause.detail
-
-
-def _check_paths(spec: JobSpec) -> None:
-    if spec.workdir is not None and not Path(spec.workdir).is_dir():
-        raise SpecError("workdir", f"{spec.workdir} is not a directory")
-    if spec.script is not None and not spec.module:
-        path = Path(spec.script[0])
-        if not path.is_absolute():
-            if spec.workdir is None:
-                raise SpecError("script", f"relative script path {spec.script[0]!r} needs a workdir")
-            path = Path(spec.workdir) / path
-        if not path.is_file():
-            raise SpecError("script", f"{path} does not exist")
