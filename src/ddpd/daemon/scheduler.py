@@ -95,11 +95,13 @@ class Scheduler:
     async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
         key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
-        while key is not None and (pending := self._pending_keys.get(key)) is not None:
-            await pending.wait()  # the same key is being submitted: its outcome decides
         if key is not None and key in self._keys:
             return self.jobs[self._keys[key]], True
         spec = await admit(spec, self.config, self.resources)
+        while key is not None and (pending := self._pending_keys.get(key)) is not None:
+            await pending.wait()  # the same key is being saved: its outcome decides
+        if key is not None and key in self._keys:
+            return self.jobs[self._keys[key]], True
         check_limits(self.config, self.unended.values(), owner_uid)
         self._seq += 1
         job = Job(
@@ -273,7 +275,7 @@ class Scheduler:
                     continue  # removed already, or retention turned off
                 try:
                     await self._delete(job)
-                    log.info("job.pruned", job_id=job.id, finished_at=job.finished_at)
+                    await self.journal.event(None, "job.pruned", pruned=job.id, finished_at=job.finished_at)
                 except StorageError as exc:
                     log.error("job.prune_failed", job_id=job.id, error=exc.message)
                     heapq.heappush(self._expiry, (now + RETENTION_RETRY, job.id))

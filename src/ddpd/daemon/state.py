@@ -91,14 +91,14 @@ INDEXES = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid,
 class StateDB:
     """One connection, used from worker threads one call at a time."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, busy_timeout: float = BUSY_TIMEOUT) -> None:
         self.path = path
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=busy_timeout)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(1)
         with self._lock:
-            self._conn.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT * 1000)}")
+            self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.executescript(SCHEMA)
