@@ -6,8 +6,6 @@ before it is published: a submission whose row cannot be written raises StorageE
 
 from __future__ import annotations
 
-import heapq
-import math
 import os
 import secrets
 import shutil
@@ -26,17 +24,16 @@ from ..protocol.control import RootCause
 from . import lifecycle
 from .admission import admit, check_key, check_limits
 from .config import Config
-from .errors import ForbiddenError, NotRunnableError, StorageError
+from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
 from .pool import WarmPool
 from .procs import find_members, proc_environ_has
 from .records import Job, job_dir
 from .resources import Resources
+from .retention import Retention
 from .supervisor import Attempt, Outcome
 
 log = structlog.get_logger("ddpd")
-
-RETENTION_RETRY = 60.0  # seconds before a prune that could not write is tried again
 
 
 class Scheduler:
@@ -57,8 +54,7 @@ class Scheduler:
         self._idle = anyio.Event()
         self._keys: dict[tuple[int, str], str] = {}  # (owner, idempotency key) -> job id
         self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
-        self._expiry: list[tuple[float, str]] = []  # heap of (prune time, job id)
-        self._expiry_wake = anyio.Event()
+        self.retention = Retention(config.retention, clock)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -81,13 +77,10 @@ class Scheduler:
     def reconfigure(self, config: Config) -> None:
         """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
         self.resources.resize_cpu(config.cpu_slots)
-        retention_changed = config.retention != self.config.retention
         self.config = config
-        if retention_changed:
-            self._expiry = []
-            for job in self.jobs.values():
-                self._schedule_expiry(job)
-            self._expiry_wake.set()
+        if config.retention != self.retention.retention:
+            self.retention.reset(config.retention, self.jobs.values())
+        self.retention.wake()  # the clock may have moved (a reload is a good moment to look)
         self._notify()  # a raised limit may let queued jobs start
 
     # -- admission -------------------------------------------------------------------------
@@ -160,7 +153,7 @@ class Scheduler:
     # -- the scheduling loop ---------------------------------------------------------------
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
-        tg.start_soon(self._prune_expired)
+        tg.start_soon(self.retention.run, self.jobs.get, self._prune)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -246,7 +239,7 @@ class Scheduler:
         """A job reached its final state: the summary event, and its place in the retention heap."""
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
         rc = job.root_cause
-        self._schedule_expiry(job)
+        self.retention.add(job)
         await self.journal.event(
             job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
             attempts=job.attempt, root_cause=None if rc is None else rc.detail,
@@ -255,34 +248,9 @@ class Scheduler:
 
     # -- retention ---------------------------------------------------------------------------
 
-    def _schedule_expiry(self, job: Job) -> None:
-        at = lifecycle.expires_at(job.state, job.finished_at, self.config.retention)
-        if at is None:
-            return
-        if not self._expiry or at < self._expiry[0][0]:
-            self._expiry_wake.set()  # sooner than the task sleeps for
-        heapq.heappush(self._expiry, (at, job.id))
-
-    async def _prune_expired(self) -> None:
-        """Prune ended jobs past the retention; sleeps until the next one expires (no polling)."""
-        while True:
-            self._expiry_wake = anyio.Event()
-            now = self.clock()
-            while self._expiry and self._expiry[0][0] <= now:
-                _, job_id = heapq.heappop(self._expiry)
-                job = self.jobs.get(job_id)
-                if job is None or lifecycle.expires_at(job.state, job.finished_at, self.config.retention) is None:
-                    continue  # removed already, or retention turned off
-                try:
-                    await self._delete(job)
-                    await self.journal.event(None, "job.pruned", pruned=job.id, finished_at=job.finished_at)
-                except StorageError as exc:
-                    log.error("job.prune_failed", job_id=job.id, error=exc.message)
-                    heapq.heappush(self._expiry, (now + RETENTION_RETRY, job.id))
-                    break
-            delay = self._expiry[0][0] - self.clock() if self._expiry else math.inf
-            with anyio.move_on_after(max(delay, 0.0)):
-                await self._expiry_wake.wait()
+    async def _prune(self, job: Job) -> None:
+        await self._delete(job)
+        await self.journal.event(None, "job.pruned", pruned=job.id, finished_at=job.finished_at)
 
     async def _delete(self, job: Job) -> None:
         await self.journal.delete_job(job.id)  # StorageError: kept as it was
@@ -320,7 +288,7 @@ class Scheduler:
             if job.idempotency_key is not None:
                 self._keys[(job.owner_uid, job.idempotency_key)] = job.id
             if job.state.final:
-                self._schedule_expiry(job)
+                self.retention.add(job)
             else:
                 self.unended[job.id] = job
         for job in list(self.unended.values()):
