@@ -33,6 +33,7 @@ log = structlog.get_logger("ddpd")
 
 WRITE_RETRIES = (0.1, 0.5, 1.0)  # pauses between tries of a failed write (each try waits the busy timeout)
 LOG_TRACEBACK_CHARS = 4000
+_FINAL = "(" + ", ".join(f"'{s.value}'" for s in JobState if s.final) + ")"  # SQL: the final states
 _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed",
                           "rank.unkillable", "rank.protocol_error"})
 
@@ -184,24 +185,74 @@ class Journal:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def load_jobs(self) -> list[Job]:
-        rows = await self.db.run(lambda c: c.execute("SELECT * FROM jobs ORDER BY seq").fetchall())
-        return [job_from_row(r) for r in rows]
+    async def load_jobs(self, recent_ended: int | None = None) -> list[Job]:
+        """Jobs by seq, with their latest attempt's ranks: every job, or the unended ones and the most
+        recent `recent_ended` ended ones (the rest stays on disk: `load_job`, `list_jobs_page`)."""
+        sql = "SELECT * FROM jobs ORDER BY seq"
+        if recent_ended is not None:
+            sql = (f"SELECT * FROM jobs WHERE state NOT IN {_FINAL} UNION ALL "
+                   f"SELECT * FROM (SELECT * FROM jobs WHERE state IN {_FINAL} ORDER BY seq DESC LIMIT ?) "
+                   "ORDER BY seq")
+        rows = await self.db.run(lambda c: c.execute(sql, () if recent_ended is None else (recent_ended,)).fetchall())
+        return await self._with_ranks([job_from_row(r) for r in rows])
+
+    async def load_job(self, job_id: str) -> Job | None:
+        rows = await self.db.run(lambda c: c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchall())
+        return (await self._with_ranks([job_from_row(rows[0])]))[0] if rows else None
+
+    async def list_jobs_page(self, limit: int, before: int | None = None, *, owner_uid: int | None = None,
+                             active: bool = False) -> list[Job]:
+        """Up to `limit` jobs with seq below `before`, newest first; one owner's, or only unended ones."""
+        sql, params = "SELECT * FROM jobs WHERE seq < ?", [before if before is not None else 2**63 - 1]
+        if owner_uid is not None:
+            sql += " AND owner_uid = ?"
+            params.append(owner_uid)
+        if active:
+            sql += f" AND state NOT IN {_FINAL}"
+        rows = await self.db.run(lambda c: c.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall())
+        return await self._with_ranks([job_from_row(r) for r in rows])
+
+    async def job_by_key(self, owner_uid: int, key: str) -> str | None:
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT id FROM jobs WHERE owner_uid = ? AND idempotency_key = ?", (owner_uid, key)).fetchall())
+        return str(rows[0]["id"]) if rows else None
+
+    async def ended_counts(self) -> dict[JobState, int]:
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT state, count(*) AS n FROM jobs WHERE state IN {_FINAL} GROUP BY state").fetchall())
+        return {JobState(r["state"]): int(r["n"]) for r in rows}
+
+    async def oldest_ended(self) -> float | None:
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT min(finished_at) AS t FROM jobs WHERE state IN {_FINAL}").fetchall())
+        return None if rows[0]["t"] is None else float(rows[0]["t"])
+
+    async def ended_before(self, cutoff: float, limit: int) -> list[str]:
+        """Ids of ended jobs that finished before `cutoff`, oldest first."""
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT id FROM jobs WHERE state IN {_FINAL} AND finished_at < ? ORDER BY finished_at LIMIT ?",
+            (cutoff, limit)).fetchall())
+        return [str(r["id"]) for r in rows]
+
+    async def _with_ranks(self, jobs: list[Job]) -> list[Job]:
+        """Fill each job's ranks of its latest attempt, in one query."""
+        if not jobs:
+            return jobs
+        ids = json.dumps([j.id for j in jobs])
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT r.* FROM ranks r JOIN jobs j ON r.job_id = j.id AND r.attempt = j.attempt "
+            "WHERE r.job_id IN (SELECT value FROM json_each(?)) ORDER BY r.job_id, r.rank", (ids,)).fetchall())
+        by_job: dict[str, list[Rank]] = {}
+        for r in rows:
+            by_job.setdefault(r["job_id"], []).append(rank_from_row(r))
+        for job in jobs:
+            job.ranks = by_job.get(job.id, [])
+        return jobs
 
     async def load_ranks(self, job_id: str, attempt: int) -> list[Rank]:
         rows = await self.db.run(lambda c: c.execute(
             "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank", (job_id, attempt)).fetchall())
         return [rank_from_row(r) for r in rows]
-
-    async def load_current_ranks(self) -> dict[str, list[Rank]]:
-        """Every job's ranks of its latest attempt, in one query (recovery at start)."""
-        rows = await self.db.run(lambda c: c.execute(
-            "SELECT r.* FROM ranks r JOIN jobs j ON r.job_id = j.id AND r.attempt = j.attempt "
-            "ORDER BY r.job_id, r.rank").fetchall())
-        out: dict[str, list[Rank]] = {}
-        for r in rows:
-            out.setdefault(r["job_id"], []).append(rank_from_row(r))
-        return out
 
     async def attempt_tokens(self, job_id: str, attempt: int) -> list[str]:
         """The marker tokens recorded for an attempt (its processes carry DDPD_ATTEMPT=job:attempt:token)."""

@@ -1,67 +1,62 @@
-"""Retention: when each ended job expires, and the task that prunes it then (it sleeps until the next
-expiry or until told of a sooner one; it never polls)."""
+"""Retention: ended jobs older than the retention period are pruned by one task that sleeps until the
+oldest ended job expires, or until told that something changed (a job ended, a reload); it never polls.
+
+The expiry times live in the database (an index on finished_at), not in memory: a long history costs
+no memory here.
+"""
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import structlog
 
-from . import lifecycle
 from .errors import StorageError
-from .records import Job
+from .journal import Journal
 
 log = structlog.get_logger("ddpd")
 
 RETRY = 60.0  # seconds before a prune that could not write is tried again
+BATCH = 200  # jobs pruned per look
 
 
 class Retention:
-    def __init__(self, retention: float, clock: Callable[[], float]) -> None:
-        self.retention = retention
+    def __init__(self, journal: Journal, retention: float, clock: Callable[[], float]) -> None:
+        self.journal = journal
+        self.retention = retention  # seconds; 0: keep forever
         self.clock = clock  # wall-clock time, as jobs' finished_at
-        self._heap: list[tuple[float, str]] = []  # (prune time, job id)
         self._wake = anyio.Event()
 
-    def add(self, job: Job) -> None:
-        """An ended job (just ended, or found at recovery) takes its place in the heap."""
-        at = lifecycle.expires_at(job.state, job.finished_at, self.retention)
-        if at is None:
-            return
-        if not self._heap or at < self._heap[0][0]:
-            self._wake.set()  # sooner than the task sleeps for
-        heapq.heappush(self._heap, (at, job.id))
-
-    def reset(self, retention: float, jobs: Iterable[Job]) -> None:
-        """A new retention period (reload): every ended job's expiry again."""
-        self.retention = retention
-        self._heap = []
-        for job in jobs:
-            self.add(job)
-        self._wake.set()
-
     def wake(self) -> None:
+        """Look again: a job ended (the first to expire, when none was), or the retention changed."""
         self._wake.set()
 
-    async def run(self, lookup: Callable[[str], Job | None], prune: Callable[[Job], Awaitable[None]]) -> None:
-        """Prune each job when it expires; a prune that fails (StorageError) is tried again later."""
+    async def next_expiry(self) -> float | None:
+        if self.retention <= 0:
+            return None
+        oldest = await self.journal.oldest_ended()
+        return None if oldest is None else oldest + self.retention
+
+    async def run(self, prune: Callable[[str], Awaitable[None]]) -> None:
+        """Prune each expired job (by id); a prune that fails (StorageError) is tried again later."""
         while True:
             self._wake = anyio.Event()
-            now = self.clock()
-            while self._heap and self._heap[0][0] <= now:
-                _, job_id = heapq.heappop(self._heap)
-                job = lookup(job_id)
-                if job is None or lifecycle.expires_at(job.state, job.finished_at, self.retention) is None:
-                    continue  # removed already, or retention turned off
-                try:
-                    await prune(job)
-                except StorageError as exc:
-                    log.error("job.prune_failed", job_id=job.id, error=exc.message)
-                    heapq.heappush(self._heap, (now + RETRY, job.id))
-                    break
-            delay = self._heap[0][0] - self.clock() if self._heap else math.inf
-            with anyio.move_on_after(max(delay, 0.0)):
+            delay = float("inf")
+            try:
+                at = await self.next_expiry()
+                now = self.clock()
+                if at is not None and at <= now:
+                    for job_id in await self.journal.ended_before(now - self.retention, BATCH):
+                        await prune(job_id)
+                    continue
+                if at is not None:
+                    delay = at - now
+            except StorageError as exc:
+                log.error("job.prune_failed", error=exc.message)
+                delay = RETRY
+            except Exception as exc:  # a read that failed (locked, disk gone): look again later
+                log.error("job.prune_failed", error=repr(exc))
+                delay = RETRY
+            with anyio.move_on_after(delay):
                 await self._wake.wait()

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import signal
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,8 @@ from .supervisor import Attempt, Outcome
 
 log = structlog.get_logger("ddpd")
 
+HISTORY_IN_MEMORY = 1000  # ended jobs held in memory (the most recent); the rest is read from the journal
+
 
 class Scheduler:
     def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None,
@@ -54,13 +57,35 @@ class Scheduler:
         self._idle = anyio.Event()
         self._keys: dict[tuple[int, str], str] = {}  # (owner, idempotency key) -> job id
         self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
-        self.retention = Retention(config.retention, clock)
+        self.retention = Retention(journal, config.retention, clock)
+        self._ended_ids: deque[str] = deque()  # ended jobs held in memory, oldest first
+        self.ended_counts: Counter[JobState] = Counter()  # ended jobs on record, by final state
 
     # -- queries ---------------------------------------------------------------------------
 
     def counts(self) -> tuple[int, int]:
         queued = sum(1 for j in self.unended.values() if j.state is JobState.QUEUED)
         return len(self.running), queued
+
+    async def lookup(self, job_id: str) -> Job | None:
+        """A job by id: from memory (every unended job, the most recent ended ones), else from the journal."""
+        job = self.jobs.get(job_id)
+        return job if job is not None else await self.journal.load_job(job_id)
+
+    async def page(self, limit: int, before: int | None = None, *, owner_uid: int | None = None,
+                   active: bool = False) -> list[Job]:
+        """Up to `limit` jobs with seq below `before`, newest first (live objects for jobs held in memory)."""
+        jobs = await self.journal.list_jobs_page(limit, before, owner_uid=owner_uid, active=active)
+        return [self.jobs.get(j.id, j) for j in jobs]
+
+    def state_counts(self) -> dict[JobState, int]:
+        """Jobs on record by state: unended ones from memory, ended ones counted as they end."""
+        counts = dict.fromkeys(JobState, 0)
+        counts.update(self.ended_counts)
+        for job in self.unended.values():
+            if not job.state.final:
+                counts[job.state] += 1
+        return counts
 
     def timeouts(self, spec: JobSpec) -> dict[str, Any]:
         d = self.config.defaults
@@ -78,9 +103,8 @@ class Scheduler:
         """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
         self.resources.resize_cpu(config.cpu_slots)
         self.config = config
-        if config.retention != self.retention.retention:
-            self.retention.reset(config.retention, self.jobs.values())
-        self.retention.wake()  # the clock may have moved (a reload is a good moment to look)
+        self.retention.retention = config.retention
+        self.retention.wake()
         self._notify()  # a raised limit may let queued jobs start
 
     # -- admission -------------------------------------------------------------------------
@@ -88,41 +112,47 @@ class Scheduler:
     async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
         key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
-        if key is not None and key in self._keys:
-            return self.jobs[self._keys[key]], True
+        if key is not None and (existing := await self._by_key(key)) is not None:
+            return existing, True
         spec = await admit(spec, self.config, self.resources)
         while key is not None and (pending := self._pending_keys.get(key)) is not None:
             await pending.wait()  # the same key is being saved: its outcome decides
-        if key is not None and key in self._keys:
-            return self.jobs[self._keys[key]], True
-        check_limits(self.config, self.unended.values(), owner_uid)
-        self._seq += 1
-        job = Job(
-            id=f"j{self._seq}-{secrets.token_hex(2)}",
-            seq=self._seq,
-            name=spec.name or (spec.task or os.path.basename(spec.script[0] if spec.script else "job")),
-            owner_uid=owner_uid,
-            spec=spec,
-            state=JobState.QUEUED,
-            submitted_at=self.clock(),
-            idempotency_key=idempotency_key,
-        )
         done = anyio.Event()
         if key is not None:
-            self._pending_keys[key] = done
+            self._pending_keys[key] = done  # from here until saved, a submit with this key waits
         try:
+            if key is not None and (existing := await self._by_key(key)) is not None:
+                return existing, True
+            check_limits(self.config, self.unended.values(), owner_uid)
+            self._seq += 1
+            job = Job(
+                id=f"j{self._seq}-{secrets.token_hex(2)}",
+                seq=self._seq,
+                name=spec.name or (spec.task or os.path.basename(spec.script[0] if spec.script else "job")),
+                owner_uid=owner_uid,
+                spec=spec,
+                state=JobState.QUEUED,
+                submitted_at=self.clock(),
+                idempotency_key=idempotency_key,
+            )
             await self.journal.create_job(job)  # StorageError: nothing published
+            self.jobs[job.id] = self.unended[job.id] = job
+            if key is not None:
+                self._keys[key] = job.id
         finally:
             if key is not None:
                 del self._pending_keys[key]
             done.set()
-        self.jobs[job.id] = self.unended[job.id] = job
-        if key is not None:
-            self._keys[key] = job.id
         await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
                                  task=spec.task, script=spec.script)
         self._notify()
         return job, False
+
+    async def _by_key(self, key: tuple[int, str]) -> Job | None:
+        if key in self._keys:
+            return self.jobs[self._keys[key]]
+        job_id = await self.journal.job_by_key(*key)  # a job of the history not held in memory
+        return None if job_id is None else await self.lookup(job_id)
 
     async def cancel(self, job: Job, reason: str, force: bool) -> None:
         if job.state.final:
@@ -153,7 +183,7 @@ class Scheduler:
     # -- the scheduling loop ---------------------------------------------------------------
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
-        tg.start_soon(self.retention.run, self.jobs.get, self._prune)
+        tg.start_soon(self.retention.run, self._prune)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -239,25 +269,43 @@ class Scheduler:
         """A job reached its final state: the summary event, and its place in the retention heap."""
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
         rc = job.root_cause
-        self.retention.add(job)
+        self._hold_ended(job)
+        self.ended_counts[job.state] += 1
+        self.retention.wake()
         await self.journal.event(
             job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
             attempts=job.attempt, root_cause=None if rc is None else rc.detail,
             root_cause_rank=None if rc is None else rc.rank,
         )
 
-    # -- retention ---------------------------------------------------------------------------
+    # -- history and retention ---------------------------------------------------------------
 
-    async def _prune(self, job: Job) -> None:
-        await self._delete(job)
-        await self.journal.event(None, "job.pruned", pruned=job.id, finished_at=job.finished_at)
+    def _hold_ended(self, job: Job) -> None:
+        """Keep the most recent ended jobs in memory; older ones are read from the journal when asked."""
+        self._ended_ids.append(job.id)
+        while len(self._ended_ids) > HISTORY_IN_MEMORY:
+            old = self.jobs.get(self._ended_ids.popleft())
+            if old is not None and old.state.final:
+                self._forget(old)
 
-    async def _delete(self, job: Job) -> None:
-        await self.journal.delete_job(job.id)  # StorageError: kept as it was
+    def _forget(self, job: Job) -> None:
         self.jobs.pop(job.id, None)
         self.unended.pop(job.id, None)
         if job.idempotency_key is not None:
             self._keys.pop((job.owner_uid, job.idempotency_key), None)
+
+    async def _prune(self, job_id: str) -> None:
+        job = await self.lookup(job_id)
+        if job is not None:
+            await self._delete(job)
+            await self.journal.event(None, "job.pruned", pruned=job_id, finished_at=job.finished_at)
+
+    async def _delete(self, job: Job) -> None:
+        """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
+        await self.journal.delete_job(job.id)
+        self._forget(job)
+        if job.state.final:
+            self.ended_counts[job.state] -= 1
         path = job_dir(self.config.state_dir, job.id)
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
@@ -279,16 +327,14 @@ class Scheduler:
 
     async def recover(self) -> None:
         """Load every job; kill what is left of jobs that were running; keep the queue in order."""
-        jobs = await self.journal.load_jobs()
-        ranks = await self.journal.load_current_ranks()
-        for job in jobs:
+        self.ended_counts.update(await self.journal.ended_counts())
+        for job in await self.journal.load_jobs(recent_ended=HISTORY_IN_MEMORY):
             self.jobs[job.id] = job
             self._seq = max(self._seq, job.seq)
-            job.ranks = ranks.get(job.id, [])
             if job.idempotency_key is not None:
                 self._keys[(job.owner_uid, job.idempotency_key)] = job.id
             if job.state.final:
-                self.retention.add(job)
+                self._ended_ids.append(job.id)
             else:
                 self.unended[job.id] = job
         for job in list(self.unended.values()):

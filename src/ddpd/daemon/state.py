@@ -85,7 +85,11 @@ CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 
 # columns added after the first release: (table, column, declaration)
 MIGRATIONS = (("jobs", "idempotency_key", "TEXT"),)
-INDEXES = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key);"
+INDEXES = """
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key);
+CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
+"""
 
 
 class StateDB:
