@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon import scheduler as scheduler_module
+from ddpd.daemon.bus import EventBus
 from ddpd.daemon.config import Config
-from ddpd.daemon.journal import EventBus, Journal
+from ddpd.daemon.journal import Journal
 from ddpd.daemon.resources import Resources
 from ddpd.daemon.scheduler import Scheduler
 from ddpd.daemon.state import StateDB
@@ -22,10 +22,11 @@ SPEC = JobSpec(task="two-layer", nproc=1)
 
 
 @pytest.fixture
-async def sched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Scheduler]:
-    monkeypatch.setattr(scheduler_module, "HISTORY_IN_MEMORY", 2)
+async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
     db = StateDB(tmp_path / "ddpd.db")
-    yield Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
+    s = Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
+    s.table.history = 2  # two ended jobs held in memory
+    yield s
     db.close()
 
 
@@ -59,6 +60,7 @@ async def test_recovery_loads_only_the_recent_history(sched: Scheduler) -> None:
         ids.append(job.id)
     live, _ = await sched.submit(SPEC, 1000)
     fresh = Scheduler(sched.config, sched.journal, Resources(0, 4))
+    fresh.table.history = 2
     await fresh.recover()
     assert set(fresh.jobs) == {ids[2], ids[3], live.id}
     assert fresh.state_counts()[JobState.CANCELLED] == 4

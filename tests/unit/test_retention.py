@@ -9,9 +9,10 @@ from pathlib import Path
 import anyio
 import pytest
 
+from ddpd.daemon.bus import EventBus
 from ddpd.daemon.config import Config
 from ddpd.daemon.errors import ForbiddenError, NotRunnableError
-from ddpd.daemon.journal import EventBus, Journal
+from ddpd.daemon.journal import Journal
 from ddpd.daemon.records import job_dir
 from ddpd.daemon.resources import Resources
 from ddpd.daemon.scheduler import Scheduler

@@ -18,8 +18,9 @@ from anyio.abc import SocketListener, TaskStatus
 from .. import __version__
 from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
+from .bus import EventBus
 from .config import Config, ConfigError, load_config, parse_listen
-from .journal import EventBus, Journal
+from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds

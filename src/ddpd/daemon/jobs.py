@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .journal import EventBus, Journal
+from .bus import EventBus
+from .journal import Journal
 from .records import Job, Rank, attempt_dir, job_dir, rank_log
 
 __all__ = ["EventBus", "Job", "Journal", "Rank", "attempt_dir", "job_dir", "rank_log"]

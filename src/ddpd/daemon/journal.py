@@ -19,10 +19,10 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..protocol import JobSpec, JobState, RankState, check_job_transition, check_rank_transition
 from ..protocol.control import EventView, RootCause
+from .bus import EventBus
 from .errors import StorageError
 from .records import Job, Rank
 from .state import StateDB
@@ -32,31 +32,11 @@ __all__ = ["EventBus", "Journal", "StorageError"]
 log = structlog.get_logger("ddpd")
 
 WRITE_RETRIES = (0.1, 0.5, 1.0)  # pauses between tries of a failed write (each try waits the busy timeout)
+DEGRADED_FOR = 30.0  # seconds after a write was given up during which writes are tried once only
 LOG_TRACEBACK_CHARS = 4000
 _FINAL = "(" + ", ".join(f"'{s.value}'" for s in JobState if s.final) + ")"  # SQL: the final states
 _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed",
                           "rank.unkillable", "rank.protocol_error"})
-
-
-class EventBus:
-    """Fan-out of events to followers; a follower too slow to keep up is dropped, never waited on."""
-
-    def __init__(self, buffer: int = 10_000) -> None:
-        self._subs: set[MemoryObjectSendStream[EventView]] = set()
-        self._buffer = buffer
-
-    def subscribe(self) -> MemoryObjectReceiveStream[EventView]:
-        send, recv = anyio.create_memory_object_stream[EventView](self._buffer)
-        self._subs.add(send)
-        return recv
-
-    def publish(self, event: EventView) -> None:
-        for send in list(self._subs):
-            try:
-                send.send_nowait(event)
-            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._subs.discard(send)
-                send.close()
 
 
 class Journal:
@@ -69,17 +49,26 @@ class Journal:
         self._retries = tuple(retries)
         self._sleep = sleep
         self.failed_writes = 0
+        self._degraded_until = 0.0  # monotonic: storage failed lately, do not stall supervision on retries
 
     # -- writes that never raise -------------------------------------------------------------------
 
     async def _write(self, what: str, fn: Callable[[sqlite3.Connection], Any], job_id: str | None = None) -> Any:
-        """Run a write; retry a failure with a bounded backoff, then log it and go on (None)."""
-        for pause in (*self._retries, None):
+        """Run a write; retry a failure with a bounded backoff, then log it and go on (None).
+
+        Once a write was given up, the next ones for DEGRADED_FOR seconds are tried once only, so a
+        long outage costs each write one busy timeout, not the whole backoff.
+        """
+        retries = () if time.monotonic() < self._degraded_until else self._retries
+        for pause in (*retries, None):
             try:
-                return await self.db.run(fn)
+                result = await self.db.run(fn)
+                self._degraded_until = 0.0
+                return result
             except sqlite3.Error as exc:
                 if pause is None:
                     self.failed_writes += 1
+                    self._degraded_until = time.monotonic() + DEGRADED_FOR
                     log.error("journal.write_failed", what=what, job_id=job_id, error=str(exc))
                     self.bus.publish(EventView(seq=0, ts=time.time(), kind="journal.write_failed", job_id=job_id,
                                                attempt=None, rank=None, data={"what": what, "error": str(exc)}))

@@ -19,7 +19,7 @@ from anyio.streams.stapled import MultiListener
 
 from ..protocol import JobState, RankState
 from ..protocol.control import EventView
-from .jobs import EventBus
+from .bus import EventBus
 from .scheduler import Scheduler
 
 log = structlog.get_logger("ddpd")

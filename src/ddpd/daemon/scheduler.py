@@ -11,7 +11,6 @@ import secrets
 import shutil
 import signal
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,10 +32,9 @@ from .records import Job, job_dir
 from .resources import Resources
 from .retention import Retention
 from .supervisor import Attempt, Outcome
+from .table import JobTable
 
 log = structlog.get_logger("ddpd")
-
-HISTORY_IN_MEMORY = 1000  # ended jobs held in memory (the most recent); the rest is read from the journal
 
 
 class Scheduler:
@@ -47,19 +45,16 @@ class Scheduler:
         self.journal = journal
         self.resources = resources
         self.clock = clock  # wall-clock time (retention is counted in it)
-        self.jobs: dict[str, Job] = {}
-        self.unended: dict[str, Job] = {}  # jobs not in a final state: what the queue loop looks at
+        self.table = JobTable(journal)
+        self.jobs = self.table.jobs  # every unended job and the most recent ended ones (see table)
+        self.unended = self.table.unended
         self.attempts: dict[str, Attempt] = {}
         self.running: set[str] = set()
         self._wake = anyio.Event()
-        self._seq = 0
         self.accepting = True
         self._idle = anyio.Event()
-        self._keys: dict[tuple[int, str], str] = {}  # (owner, idempotency key) -> job id
         self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
         self.retention = Retention(journal, config.retention, clock)
-        self._ended_ids: deque[str] = deque()  # ended jobs held in memory, oldest first
-        self.ended_counts: Counter[JobState] = Counter()  # ended jobs on record, by final state
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -68,24 +63,16 @@ class Scheduler:
         return len(self.running), queued
 
     async def lookup(self, job_id: str) -> Job | None:
-        """A job by id: from memory (every unended job, the most recent ended ones), else from the journal."""
-        job = self.jobs.get(job_id)
-        return job if job is not None else await self.journal.load_job(job_id)
+        """A job by id, held in memory or read from the journal (None: no such job)."""
+        return await self.table.lookup(job_id)
 
     async def page(self, limit: int, before: int | None = None, *, owner_uid: int | None = None,
                    active: bool = False) -> list[Job]:
-        """Up to `limit` jobs with seq below `before`, newest first (live objects for jobs held in memory)."""
-        jobs = await self.journal.list_jobs_page(limit, before, owner_uid=owner_uid, active=active)
-        return [self.jobs.get(j.id, j) for j in jobs]
+        """Up to `limit` jobs with seq below `before`, newest first."""
+        return await self.table.page(limit, before, owner_uid=owner_uid, active=active)
 
     def state_counts(self) -> dict[JobState, int]:
-        """Jobs on record by state: unended ones from memory, ended ones counted as they end."""
-        counts = dict.fromkeys(JobState, 0)
-        counts.update(self.ended_counts)
-        for job in self.unended.values():
-            if not job.state.final:
-                counts[job.state] += 1
-        return counts
+        return self.table.state_counts()
 
     def timeouts(self, spec: JobSpec) -> dict[str, Any]:
         d = self.config.defaults
@@ -112,7 +99,7 @@ class Scheduler:
     async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
         key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
-        if key is not None and (existing := await self._by_key(key)) is not None:
+        if key is not None and (existing := await self.table.by_key(*key)) is not None:
             return existing, True
         spec = await admit(spec, self.config, self.resources)
         while key is not None and (pending := self._pending_keys.get(key)) is not None:
@@ -121,13 +108,13 @@ class Scheduler:
         if key is not None:
             self._pending_keys[key] = done  # from here until saved, a submit with this key waits
         try:
-            if key is not None and (existing := await self._by_key(key)) is not None:
+            if key is not None and (existing := await self.table.by_key(*key)) is not None:
                 return existing, True
             check_limits(self.config, self.unended.values(), owner_uid)
-            self._seq += 1
+            seq = self.table.max_seq + 1
             job = Job(
-                id=f"j{self._seq}-{secrets.token_hex(2)}",
-                seq=self._seq,
+                id=f"j{seq}-{secrets.token_hex(2)}",
+                seq=seq,
                 name=spec.name or (spec.task or os.path.basename(spec.script[0] if spec.script else "job")),
                 owner_uid=owner_uid,
                 spec=spec,
@@ -136,9 +123,7 @@ class Scheduler:
                 idempotency_key=idempotency_key,
             )
             await self.journal.create_job(job)  # StorageError: nothing published
-            self.jobs[job.id] = self.unended[job.id] = job
-            if key is not None:
-                self._keys[key] = job.id
+            self.table.add(job)
         finally:
             if key is not None:
                 del self._pending_keys[key]
@@ -147,12 +132,6 @@ class Scheduler:
                                  task=spec.task, script=spec.script)
         self._notify()
         return job, False
-
-    async def _by_key(self, key: tuple[int, str]) -> Job | None:
-        if key in self._keys:
-            return self.jobs[self._keys[key]]
-        job_id = await self.journal.job_by_key(*key)  # a job of the history not held in memory
-        return None if job_id is None else await self.lookup(job_id)
 
     async def cancel(self, job: Job, reason: str, force: bool) -> None:
         if job.state.final:
@@ -187,15 +166,11 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            for job_id in [i for i, j in self.unended.items() if j.state.final]:
-                del self.unended[job_id]
             if not self.accepting:
                 continue
-            queued = sorted(
-                (j for j in self.unended.values() if j.state is JobState.QUEUED and j.id not in self.running),
-                key=lambda j: (-j.spec.priority, j.seq),
-            )
-            for job in queued:  # strict order: the head of the queue is never overtaken
+            for job in self.table.queued():
+                if job.id in self.running:
+                    continue  # started, not yet STARTING  # strict order: the head of the queue is never overtaken
                 if len(self.running) >= self.config.max_running:
                     break
                 gpus = self.resources.take(job.spec)
@@ -269,8 +244,7 @@ class Scheduler:
         """A job reached its final state: the summary event, and its place in the retention heap."""
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
         rc = job.root_cause
-        self._hold_ended(job)
-        self.ended_counts[job.state] += 1
+        self.table.ended(job)
         self.retention.wake()
         await self.journal.event(
             job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
@@ -279,20 +253,6 @@ class Scheduler:
         )
 
     # -- history and retention ---------------------------------------------------------------
-
-    def _hold_ended(self, job: Job) -> None:
-        """Keep the most recent ended jobs in memory; older ones are read from the journal when asked."""
-        self._ended_ids.append(job.id)
-        while len(self._ended_ids) > HISTORY_IN_MEMORY:
-            old = self.jobs.get(self._ended_ids.popleft())
-            if old is not None and old.state.final:
-                self._forget(old)
-
-    def _forget(self, job: Job) -> None:
-        self.jobs.pop(job.id, None)
-        self.unended.pop(job.id, None)
-        if job.idempotency_key is not None:
-            self._keys.pop((job.owner_uid, job.idempotency_key), None)
 
     async def _prune(self, job_id: str) -> None:
         job = await self.lookup(job_id)
@@ -303,9 +263,7 @@ class Scheduler:
     async def _delete(self, job: Job) -> None:
         """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
         await self.journal.delete_job(job.id)
-        self._forget(job)
-        if job.state.final:
-            self.ended_counts[job.state] -= 1
+        self.table.forget(job, deleted=True)
         path = job_dir(self.config.state_dir, job.id)
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
@@ -327,16 +285,7 @@ class Scheduler:
 
     async def recover(self) -> None:
         """Load every job; kill what is left of jobs that were running; keep the queue in order."""
-        self.ended_counts.update(await self.journal.ended_counts())
-        for job in await self.journal.load_jobs(recent_ended=HISTORY_IN_MEMORY):
-            self.jobs[job.id] = job
-            self._seq = max(self._seq, job.seq)
-            if job.idempotency_key is not None:
-                self._keys[(job.owner_uid, job.idempotency_key)] = job.id
-            if job.state.final:
-                self._ended_ids.append(job.id)
-            else:
-                self.unended[job.id] = job
+        await self.table.load()
         for job in list(self.unended.values()):
             new = lifecycle.after_daemon_restart(job.state, attempt=job.attempt, max_restarts=job.spec.max_restarts)
             if new is None:
@@ -354,18 +303,23 @@ class Scheduler:
         killed: list[int] = []
         for token in await self.journal.attempt_tokens(job.id, job.attempt):
             marker = f"DDPD_ATTEMPT={job.id}:{job.attempt}:{token}".encode()
-            members = await anyio.to_thread.run_sync(find_members, None, marker)
-            for p in members:
-                # checked against /proc just before signalling: only this attempt's processes
-                if proc_environ_has(p.pid, marker):
-                    try:
-                        os.kill(p.pid, signal.SIGKILL)
-                        killed.append(p.pid)
-                    except ProcessLookupError:
-                        pass
+            killed += await anyio.to_thread.run_sync(_kill_marked, marker)
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
         return killed
+
+
+def _kill_marked(marker: bytes) -> list[int]:
+    """SIGKILL every process carrying the attempt's marker, each checked against /proc just before."""
+    killed = []
+    for p in find_members(None, marker):
+        if proc_environ_has(p.pid, marker):
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def _rc(outcome: Outcome) -> str | None:
