@@ -111,7 +111,7 @@ class Scheduler:
             if key is not None and (existing := await self.table.by_key(*key)) is not None:
                 return existing, True
             check_limits(self.config, self.unended.values(), owner_uid)
-            seq = self.table.max_seq + 1
+            self.table.max_seq = seq = self.table.max_seq + 1  # taken now: concurrent submits differ
             job = Job(
                 id=f"j{seq}-{secrets.token_hex(2)}",
                 seq=seq,
@@ -168,9 +168,9 @@ class Scheduler:
             self._wake = anyio.Event()
             if not self.accepting:
                 continue
-            for job in self.table.queued():
+            for job in self.table.queued():  # strict order: the head of the queue is never overtaken
                 if job.id in self.running:
-                    continue  # started, not yet STARTING  # strict order: the head of the queue is never overtaken
+                    continue  # started, not yet STARTING
                 if len(self.running) >= self.config.max_running:
                     break
                 gpus = self.resources.take(job.spec)
