@@ -132,3 +132,40 @@ def test_read_only_state_dir_exits_78(short_tmp: Path) -> None:
         if immutable and chattr is not None:
             subprocess.run([chattr, "-i", str(where)], capture_output=True, check=False)
         where.chmod(0o700)
+
+
+@contextmanager
+def small_filesystem(where: Path, size: str = "4m") -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `where` (root only), unmounted afterwards."""
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                                           capture_output=True, check=False).returncode != 0:
+        pytest.skip("needs root and tmpfs mounts to fill a filesystem")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+def fill(path: Path) -> None:
+    """Write zeros into `path` until the filesystem is full."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+async def test_full_disk_refuses_new_work_then_recovers(short_tmp: Path) -> None:
+    with small_filesystem(short_tmp / "fs") as fs:
+        async with running_daemon(short_tmp, "--cpu-slots", "2", state_dir=fs / "state") as d:
+            filler = fs / "filler"
+            fill(filler)
+            with anyio.fail_after(60), pytest.raises(RemoteError) as info:
+                await d.client.submit(d.spec(task="two-layer", nproc=1, steps=1))
+            assert info.value.code == "storage_unavailable"
+            assert await d.client.list_jobs() == []  # no ghost
+            filler.unlink()
+            job = await d.run(d.spec(task="two-layer", nproc=1, steps=1))
+            assert job.state == JobState.SUCCEEDED.value
