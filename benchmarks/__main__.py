@@ -2,7 +2,8 @@
 
 Runs, in one process and on the same work, alternating the launchers in every repetition:
 launch and end to end (the classic job), detection (a rank SIGKILLed), throughput (the mlp
-model) with the daemon's cost while supervising, and the daemon at scale (simulated workers).
+model) with the daemon's cost while supervising, the daemon at scale (simulated workers), and its
+start-up and memory with a long history of ended jobs.
 Prints medians, min-max ranges and ratios, then the issue's targets, met or missed.
 
 Two daemons serve the ddpd runs: ``ddpd`` with a warm pool (``pool_size``, default 2) and
@@ -46,6 +47,7 @@ from .common import (
 )
 from .context import Ctx, Plan
 from .detect import bench_detect
+from .history import bench_history
 from .launch import bench_launch
 from .report import dump_json, print_report
 from .scale import bench_scale
@@ -56,6 +58,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "detect": bench_detect,
     "throughput": bench_throughput,
     "scale": bench_scale,
+    "history": bench_history,
 }
 
 
@@ -113,6 +116,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
                     ctx.daemons.clear()
     if "scale" in names:
         await run_bench(ctx, "scale")
+    if "history" in names:
+        await run_bench(ctx, "history")
 
 
 async def run_bench(ctx: Ctx, name: str) -> None:

@@ -18,14 +18,16 @@ from anyio.abc import SocketListener, TaskStatus
 from .. import __version__
 from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
+from .bus import EventBus
 from .config import Config, ConfigError, load_config, parse_listen
-from .jobs import EventBus, Journal
+from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
 from .pool import WarmPool
 from .procs import set_child_subreaper
-from .scheduler import Resources, Scheduler
+from .resources import Resources
+from .scheduler import Scheduler
 from .server import ControlServer, prepare_socket_path, secure_socket
 from .state import StateDB
 
@@ -94,11 +96,7 @@ class Daemon:
         changed = sorted(f.name for f in dataclasses.fields(Config) if getattr(new, f.name) != getattr(old, f.name))
         self.config = new
         if self.scheduler is not None:
-            res = self.scheduler.resources
-            res.free_cpu += new.cpu_slots - res.total_cpu  # may go negative until running jobs give slots back
-            res.total_cpu = new.cpu_slots
-            self.scheduler.config = new
-            self.scheduler._notify()  # a raised limit may let queued jobs start
+            self.scheduler.reconfigure(new)
         set_level(new.log_level)
         # at info, or at the new level when that hides info lines: a reload always shows in the log
         level = new.log_level.lower() if parse_level(new.log_level) > logging.INFO else "info"
@@ -147,10 +145,9 @@ class Daemon:
 
     async def _serve(self, signals: Any, task_status: TaskStatus[None]) -> None:
         cfg = self.config
-        await anyio.to_thread.run_sync(lambda: cfg.state_dir.mkdir(parents=True, exist_ok=True))
+        db = await anyio.to_thread.run_sync(StateDB.open_dir, cfg.state_dir)  # StorageError: unusable
         set_child_subreaper()
         gpus = cfg.gpus if cfg.gpus is not None else await anyio.to_thread.run_sync(_count_gpus)
-        db = await anyio.to_thread.run_sync(StateDB, cfg.state_dir / "ddpd.db")
         bus = EventBus()
         journal = Journal(db, bus)
         resources = Resources(gpus, cfg.cpu_slots)

@@ -9,6 +9,9 @@ import click
 
 from ..protocol.paths import client_socket_path
 from .config import ConfigError, load_config
+from .errors import StorageError
+
+EX_CONFIG = 78  # sysexits.h: configuration error; the unit does not restart on it
 
 
 def _port_range(value: str | None) -> tuple[int, int] | None:
@@ -71,6 +74,9 @@ def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | 
         raise click.ClickException(str(exc)) from None
     try:
         run(config, overrides)
+    except StorageError as exc:  # an unusable state directory: a restart would not help
+        click.echo(f"ddpd: error: {exc.message}", err=True)
+        sys.exit(EX_CONFIG)
     except OSError as exc:
         click.echo(f"ddpd: error: {exc}", err=True)
         sys.exit(1)

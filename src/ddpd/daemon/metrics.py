@@ -19,7 +19,7 @@ from anyio.streams.stapled import MultiListener
 
 from ..protocol import JobState, RankState
 from ..protocol.control import EventView
-from .jobs import EventBus
+from .bus import EventBus
 from .scheduler import Scheduler
 
 log = structlog.get_logger("ddpd")
@@ -117,14 +117,12 @@ class Metrics:
         metric("ddpd_info", "gauge", "Daemon version.", [f"ddpd_info{_labels(version=self.version)} 1"])
         metric("ddpd_uptime_seconds", "gauge", "Seconds since the daemon started.",
                [f"ddpd_uptime_seconds {now - self.started:.3f}"])
-        by_state = dict.fromkeys((s.value for s in JobState), 0)
-        for job in sched.jobs.values():
-            by_state[job.state.value] += 1
+        by_state = {s.value: n for s, n in sched.state_counts().items()}
         metric("ddpd_jobs", "gauge", "Jobs known to the daemon, by state.",
                [f"ddpd_jobs{_labels(state=s)} {n}" for s, n in by_state.items()])
         metric("ddpd_queue_depth", "gauge", "Jobs waiting in the queue.",
                [f"ddpd_queue_depth {by_state[JobState.QUEUED.value]}"])
-        live = [j for j in sched.jobs.values() if j.id in sched.running]
+        live = [j for j in sched.unended.values() if j.id in sched.running]
         ranks = dict.fromkeys((s.value for s in RankState), 0)
         ages: list[str] = []
         steps: list[str] = []

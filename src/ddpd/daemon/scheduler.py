@@ -1,88 +1,78 @@
-"""The durable queue: admission, resources, one runner task per job, restarts, recovery."""
+"""The durable queue: admission, one runner task per job, restarts, recovery, retention and removal.
+
+Decisions on job states come from `lifecycle`; every write goes through the journal. A job is saved
+before it is published: a submission whose row cannot be written raises StorageError and leaves no trace.
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import structlog
 
-from ..protocol import JobSpec, JobState, SpecError, check_spec
+from ..protocol import JobSpec, JobState
 from ..protocol.control import RootCause
+from . import lifecycle
+from .admission import admit, check_key, check_limits
 from .config import Config
-from .jobs import Job, Journal, job_from_row, rank_from_row
+from .errors import ForbiddenError, NotRunnableError
+from .journal import Journal
 from .pool import WarmPool
 from .procs import find_members, proc_environ_has
+from .records import Job, job_dir
+from .resources import Resources
+from .retention import Retention
 from .supervisor import Attempt, Outcome
+from .table import JobTable
 
 log = structlog.get_logger("ddpd")
 
 
-class Resources:
-    """GPUs (by index) and CPU slots; a job takes all it needs or waits."""
-
-    def __init__(self, gpus: int, cpu_slots: int) -> None:
-        self.total_gpus = gpus
-        self.free_gpus = list(range(gpus))
-        self.total_cpu = cpu_slots
-        self.free_cpu = cpu_slots
-
-    @staticmethod
-    def need(spec: JobSpec) -> tuple[int, int]:
-        gpus = spec.nproc * spec.gpus_per_rank
-        return gpus, (0 if gpus else spec.nproc)
-
-    def can_ever_fit(self, spec: JobSpec) -> str | None:
-        gpus, cpu = self.need(spec)
-        if gpus > self.total_gpus:
-            return (f"needs {gpus} GPUs ({spec.nproc} ranks x {spec.gpus_per_rank}) but the daemon has "
-                    f"{self.total_gpus}")
-        if cpu > self.total_cpu:
-            return f"needs {cpu} CPU slots ({spec.nproc} ranks) but the daemon has {self.total_cpu}"
-        return None
-
-    def take(self, spec: JobSpec) -> list[int] | None:
-        gpus, cpu = self.need(spec)
-        if gpus > len(self.free_gpus) or cpu > self.free_cpu:
-            return None
-        taken, self.free_gpus = self.free_gpus[:gpus], self.free_gpus[gpus:]
-        self.free_cpu -= cpu
-        return taken
-
-    def busy_cpu(self) -> int:
-        """CPU slots held by running jobs (ranks that occupy a CPU; GPU jobs mostly wait on their devices)."""
-        return self.total_cpu - self.free_cpu
-
-    def give_back(self, spec: JobSpec, gpus: list[int]) -> None:
-        self.free_gpus = sorted(self.free_gpus + gpus)
-        self.free_cpu += self.need(spec)[1]
-
-
 class Scheduler:
-    def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None) -> None:
+    def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.pool = pool
         self.journal = journal
         self.resources = resources
-        self.jobs: dict[str, Job] = {}
+        self.clock = clock  # wall-clock time (retention is counted in it)
+        self.table = JobTable(journal)
+        self.jobs = self.table.jobs  # every unended job and the most recent ended ones (see table)
+        self.unended = self.table.unended
         self.attempts: dict[str, Attempt] = {}
         self.running: set[str] = set()
         self._wake = anyio.Event()
-        self._seq = 0
         self.accepting = True
         self._idle = anyio.Event()
+        self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
+        self.retention = Retention(journal, config.retention, clock)
 
     # -- queries ---------------------------------------------------------------------------
 
     def counts(self) -> tuple[int, int]:
-        queued = sum(1 for j in self.jobs.values() if j.state is JobState.QUEUED)
+        queued = sum(1 for j in self.unended.values() if j.state is JobState.QUEUED)
         return len(self.running), queued
+
+    async def lookup(self, job_id: str) -> Job | None:
+        """A job by id, held in memory or read from the journal (None: no such job)."""
+        return await self.table.lookup(job_id)
+
+    async def page(self, limit: int, before: int | None = None, *, owner_uid: int | None = None,
+                   active: bool = False) -> list[Job]:
+        """Up to `limit` jobs with seq below `before`, newest first."""
+        return await self.table.page(limit, before, owner_uid=owner_uid, active=active)
+
+    def state_counts(self) -> dict[JobState, int]:
+        return self.table.state_counts()
 
     def timeouts(self, spec: JobSpec) -> dict[str, Any]:
         d = self.config.defaults
@@ -96,32 +86,52 @@ class Scheduler:
             "stop_warning": t.stop_warning or d.stop_warning,
         }
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
+        self.resources.resize_cpu(config.cpu_slots)
+        self.config = config
+        self.retention.retention = config.retention
+        self.retention.wake()
+        self._notify()  # a raised limit may let queued jobs start
+
     # -- admission -------------------------------------------------------------------------
 
-    async def submit(self, spec: JobSpec, owner_uid: int) -> Job:
-        spec = check_spec(spec)
-        await anyio.to_thread.run_sync(_check_paths, spec)
-        if spec.device == "cuda" and self.resources.total_gpus == 0:
-            raise SpecError("device", "cuda was asked for but the daemon has no GPUs")
-        problem = self.resources.can_ever_fit(spec)
-        if problem:
-            raise SpecError("nproc" if "CPU" in problem else "gpus_per_rank", f"can never run here: {problem}")
-        self._seq += 1
-        job = Job(
-            id=f"j{self._seq}-{secrets.token_hex(2)}",
-            seq=self._seq,
-            name=spec.name or (spec.task or os.path.basename(spec.script[0] if spec.script else "job")),
-            owner_uid=owner_uid,
-            spec=spec,
-            state=JobState.QUEUED,
-            submitted_at=time.time(),
-        )
-        self.jobs[job.id] = job
-        await self.journal.save_job(job)
+    async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
+        key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
+        if key is not None and (existing := await self.table.by_key(*key)) is not None:
+            return existing, True
+        spec = await admit(spec, self.config, self.resources)
+        while key is not None and (pending := self._pending_keys.get(key)) is not None:
+            await pending.wait()  # the same key is being saved: its outcome decides
+        done = anyio.Event()
+        if key is not None:
+            self._pending_keys[key] = done  # from here until saved, a submit with this key waits
+        try:
+            if key is not None and (existing := await self.table.by_key(*key)) is not None:
+                return existing, True
+            check_limits(self.config, self.unended.values(), owner_uid)
+            self.table.max_seq = seq = self.table.max_seq + 1  # taken now: concurrent submits differ
+            job = Job(
+                id=f"j{seq}-{secrets.token_hex(2)}",
+                seq=seq,
+                name=spec.name or (spec.task or os.path.basename(spec.script[0] if spec.script else "job")),
+                owner_uid=owner_uid,
+                spec=spec,
+                state=JobState.QUEUED,
+                submitted_at=self.clock(),
+                idempotency_key=idempotency_key,
+            )
+            await self.journal.create_job(job)  # StorageError: nothing published
+            self.table.add(job)
+        finally:
+            if key is not None:
+                del self._pending_keys[key]
+            done.set()
         await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
                                  task=spec.task, script=spec.script)
         self._notify()
-        return job
+        return job, False
 
     async def cancel(self, job: Job, reason: str, force: bool) -> None:
         if job.state.final:
@@ -129,12 +139,22 @@ class Scheduler:
         job.cancel_requested = reason
         if job.state is JobState.QUEUED:
             await self.journal.job_state(job, JobState.CANCELLED, reason)
-            await self._finished_event(job)
+            await self._ended(job)
             self._notify()
             return
         attempt = self.attempts.get(job.id)
         if attempt is not None:
             attempt.request_cancel(reason, force)
+
+    async def remove(self, job: Job, uid: int) -> None:
+        """`rm`: forget an ended job (row, ranks, attempts, events, logs and checkpoints); owner or root."""
+        if uid not in (0, job.owner_uid):
+            raise ForbiddenError(f"job {job.id} belongs to uid {job.owner_uid}; only it or root may remove it")
+        refused = lifecycle.removal_refused(job.state)
+        if refused is not None:
+            raise NotRunnableError(f"job {job.id}: {refused}")
+        await self._delete(job)
+        await self.journal.event(None, "job.removed", removed=job.id, by_uid=uid)
 
     def _notify(self) -> None:
         self._wake.set()
@@ -142,16 +162,15 @@ class Scheduler:
     # -- the scheduling loop ---------------------------------------------------------------
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self.retention.run, self._prune)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
             if not self.accepting:
                 continue
-            queued = sorted(
-                (j for j in self.jobs.values() if j.state is JobState.QUEUED and j.id not in self.running),
-                key=lambda j: (-j.spec.priority, j.seq),
-            )
-            for job in queued:  # strict order: the head of the queue is never overtaken
+            for job in self.table.queued():  # strict order: the head of the queue is never overtaken
+                if job.id in self.running:
+                    continue  # started, not yet STARTING
                 if len(self.running) >= self.config.max_running:
                     break
                 gpus = self.resources.take(job.spec)
@@ -195,35 +214,58 @@ class Scheduler:
                 attempt.request_shutdown()
             outcome = await attempt.run()
             job.root_cause = outcome.root_cause
-            if outcome.state is JobState.QUEUED:
+            new = lifecycle.after_attempt(outcome.state, outcome.reason, attempt=job.attempt,
+                                          max_restarts=job.spec.max_restarts,
+                                          cancel_requested=job.cancel_requested is not None,
+                                          accepting=self.accepting)
+            if new is JobState.QUEUED:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
                 return
-            restarts_used = job.attempt - 1
-            out_of_time = outcome.reason == "wall_time"  # wall time counts from the first start
-            if (outcome.state in (JobState.FAILED, JobState.TIMED_OUT) and restarts_used < job.spec.max_restarts
-                    and not out_of_time and not job.cancel_requested and self.accepting):
-                await self.journal.job_state(job, JobState.RESTARTING, outcome.reason,
-                                             root_cause=_rc(outcome))
+            await self.journal.job_state(job, new, outcome.reason, root_cause=_rc(outcome))
+            if new is JobState.RESTARTING:
                 continue
-            await self.journal.job_state(job, outcome.state, outcome.reason, root_cause=_rc(outcome))
-            await self._finished_event(job)
+            await self._ended(job)
             return
 
     async def _fail_internal(self, job: Job, exc: Exception) -> None:
+        """Never raises: the job ends FAILED in memory even when nothing can be written."""
         if job.state.final:
             return
         job.root_cause = RootCause(reason="internal_error", attempt=job.attempt, detail=repr(exc))
-        await self.journal.job_state(job, JobState.FAILED, "internal_error")
-        await self._finished_event(job)
+        try:
+            await self.journal.job_state(job, JobState.FAILED, "internal_error")
+            await self._ended(job)
+        except Exception:
+            log.exception("job.internal_error_unrecorded", job_id=job.id)
+            job.state, job.reason, job.finished_at = JobState.FAILED, "internal_error", self.clock()
+            job.finished.set()
 
-    async def _finished_event(self, job: Job) -> None:
+    async def _ended(self, job: Job) -> None:
+        """A job reached its final state: the summary event, and its place in the retention heap."""
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
         rc = job.root_cause
+        self.table.ended(job)
+        self.retention.wake()
         await self.journal.event(
             job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
             attempts=job.attempt, root_cause=None if rc is None else rc.detail,
             root_cause_rank=None if rc is None else rc.rank,
         )
+
+    # -- history and retention ---------------------------------------------------------------
+
+    async def _prune(self, job_id: str) -> None:
+        job = await self.lookup(job_id)
+        if job is not None:
+            await self._delete(job)
+            await self.journal.event(None, "job.pruned", pruned=job_id, finished_at=job.finished_at)
+
+    async def _delete(self, job: Job) -> None:
+        """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
+        await self.journal.delete_job(job.id)
+        self.table.forget(job, deleted=True)
+        path = job_dir(self.config.state_dir, job.id)
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -243,61 +285,42 @@ class Scheduler:
 
     async def recover(self) -> None:
         """Load every job; kill what is left of jobs that were running; keep the queue in order."""
-        rows = await self.journal.db.query("SELECT * FROM jobs ORDER BY seq")
-        for row in rows:
-            job = job_from_row(row)
-            self.jobs[job.id] = job
-            self._seq = max(self._seq, job.seq)
-            ranks = await self.journal.db.query(
-                "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank", (job.id, job.attempt))
-            job.ranks = [rank_from_row(r) for r in ranks]
-            if job.state.final:
-                job.finished.set()
-        for job in self.jobs.values():
-            if job.state in (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING):
-                killed = await self._kill_attempt_leftovers(job)
-                restarts_used = job.attempt
-                if restarts_used <= job.spec.max_restarts:
-                    await self.journal.job_state(job, JobState.QUEUED, "daemon_restart", killed=killed)
-                else:
-                    job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
-                                               detail="the daemon stopped while the job was running")
-                    await self.journal.job_state(job, JobState.FAILED, "daemon_restart", killed=killed)
-                    await self._finished_event(job)
+        await self.table.load()
+        for job in list(self.unended.values()):
+            new = lifecycle.after_daemon_restart(job.state, attempt=job.attempt, max_restarts=job.spec.max_restarts)
+            if new is None:
+                continue
+            killed = await self._kill_attempt_leftovers(job)
+            if new is JobState.FAILED:
+                job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
+                                           detail="the daemon stopped while the job was running")
+            await self.journal.job_state(job, new, "daemon_restart", killed=killed)
+            if new.final:
+                await self._ended(job)
         self._notify()
 
     async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
-        rows = await self.journal.db.query(
-            "SELECT pgid, token FROM attempts WHERE job_id = ? AND attempt = ?", (job.id, job.attempt))
         killed: list[int] = []
-        for row in rows:
-            marker = f"DDPD_ATTEMPT={job.id}:{job.attempt}:{row['token']}".encode()
-            members = await anyio.to_thread.run_sync(find_members, None, marker)
-            for p in members:
-                # checked against /proc just before signalling: only this attempt's processes
-                if proc_environ_has(p.pid, marker):
-                    try:
-                        os.kill(p.pid, signal.SIGKILL)
-                        killed.append(p.pid)
-                    except ProcessLookupError:
-                        pass
+        for token in await self.journal.attempt_tokens(job.id, job.attempt):
+            marker = f"DDPD_ATTEMPT={job.id}:{job.attempt}:{token}".encode()
+            killed += await anyio.to_thread.run_sync(_kill_marked, marker)
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
         return killed
 
 
+def _kill_marked(marker: bytes) -> list[int]:
+    """SIGKILL every process carrying the attempt's marker, each checked against /proc just before."""
+    killed = []
+    for p in find_members(None, marker):
+        if proc_environ_has(p.pid, marker):
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 def _rc(outcome: Outcome) -> str | None:
     return None if outcome.root_cause is None else outcome.root_cause.detail
-
-
-def _check_paths(spec: JobSpec) -> None:
-    if spec.workdir is not None and not Path(spec.workdir).is_dir():
-        raise SpecError("workdir", f"{spec.workdir} is not a directory")
-    if spec.script is not None and not spec.module:
-        path = Path(spec.script[0])
-        if not path.is_absolute():
-            if spec.workdir is None:
-                raise SpecError("script", f"relative script path {spec.script[0]!r} needs a workdir")
-            path = Path(spec.workdir) / path
-        if not path.is_file():
-            raise SpecError("script", f"{path} does not exist")

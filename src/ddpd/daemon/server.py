@@ -8,10 +8,8 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import anyio
-import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
@@ -42,6 +40,7 @@ from ..protocol.control import (
     SubmitResult,
     Wait,
 )
+from .errors import DaemonError
 from .jobs import Job, rank_log
 from .scheduler import Scheduler
 
@@ -146,6 +145,8 @@ class ControlServer:
             return await self._send(stream, Error(id=req.id, code=exc.code, message=exc.message))
         except SpecError as exc:
             return await self._send(stream, Error(id=req.id, code=ErrorCode.BAD_SPEC, message=str(exc)))
+        except DaemonError as exc:
+            return await self._send(stream, Error(id=req.id, code=exc.code, message=exc.message))
         except Exception as exc:  # a bug must not take the daemon down with one client
             log.exception("control.internal_error", op=env.op)
             return await self._send(stream, Error(id=req.id, code=ErrorCode.INTERNAL, message=repr(exc)))
@@ -168,8 +169,8 @@ class ControlServer:
             case Submit(spec=spec):
                 if not self.scheduler.accepting:
                     raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                job = await self.scheduler.submit(spec, uid)
-                yield Ok(id=rid, result=SubmitResult(job_id=job.id))
+                job, existing = await self.scheduler.submit(spec, uid, req.idempotency_key)
+                yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
                 yield Ok(id=rid, result=self._job(job_id).view())
             case ListJobs(limit=limit):
@@ -248,18 +249,11 @@ class ControlServer:
         job = self._job(req.job_id) if req.job_id else None
         live = self.scheduler.journal.bus.subscribe() if req.follow else None
         try:
-            sql = "SELECT * FROM events WHERE seq > ?"
-            params: tuple[Any, ...] = (req.since,)
-            if job is not None:
-                sql += " AND job_id = ?"
-                params += (job.id,)
-            rows = await self.scheduler.journal.db.query(sql + " ORDER BY seq", params)
             last = req.since
-            for row in rows:
-                last = row["seq"]
-                yield EventView(seq=row["seq"], ts=row["ts"], kind=row["kind"], job_id=row["job_id"],
-                                attempt=row["attempt"], rank=row["rank"],
-                                data=msgspec.json.decode(row["data"]))
+            for event in await self.scheduler.journal.list_events(None if job is None else job.id, req.since,
+                                                                  2**62):
+                last = event.seq
+                yield event
             if live is None or (job is not None and job.finished.is_set()):
                 return
             async with live:

@@ -1,18 +1,29 @@
-"""SQLite persistence (WAL): jobs, attempts, ranks and events. Every call runs off the event loop."""
+"""The state database: one SQLite connection (WAL), its schema and migrations, used off the event loop.
+
+Durability: `synchronous=FULL`, so a state transition that returned is on disk even after a power loss
+(WAL with NORMAL could lose the last transactions). A writer that finds the database locked waits up to
+`BUSY_TIMEOUT` (SQLite's busy handler) before the call fails. The queries themselves live in the journal.
+A state directory that cannot be used at start (not a directory, unwritable, read-only, a corrupt
+database) raises `StorageError` naming the path and the problem.
+"""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
 
+from .errors import StorageError
+
 T = TypeVar("T")
+
+BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -28,7 +39,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at REAL,
     finished_at REAL,
     reason TEXT,
-    root_cause TEXT
+    root_cause TEXT,
+    idempotency_key TEXT
 );
 CREATE TABLE IF NOT EXISTS attempts (
     job_id TEXT NOT NULL,
@@ -67,22 +79,52 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, seq);
+CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
+"""
+
+
+# columns added after the first release: (table, column, declaration)
+MIGRATIONS = (("jobs", "idempotency_key", "TEXT"),)
+INDEXES = """
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key);
+CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 """
 
 
 class StateDB:
     """One connection, used from worker threads one call at a time."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, busy_timeout: float = BUSY_TIMEOUT) -> None:
         self.path = path
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=busy_timeout)
         self._conn.row_factory = sqlite3.Row
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(1)
         with self._lock:
+            self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout * 1000)}")
             self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
             self._conn.executescript(SCHEMA)
+            migrate(self._conn)
+            self._conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")  # also proves the database is writable
+
+    @classmethod
+    def open_dir(cls, state_dir: Path) -> StateDB:
+        """Create the state directory if needed and open its database; a problem is one clear StorageError."""
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StorageError(f"state directory {state_dir}: exists and is not a directory") from None
+        except OSError as exc:
+            raise StorageError(f"state directory {state_dir}: {exc.strerror or exc}") from None
+        if not state_dir.is_dir():
+            raise StorageError(f"state directory {state_dir}: not a directory")
+        path = state_dir / "ddpd.db"
+        try:
+            return cls(path)
+        except (sqlite3.Error, OSError) as exc:
+            raise StorageError(f"state database {path}: {exc}") from None
 
     def close(self) -> None:
         with self._lock:
@@ -95,31 +137,15 @@ class StateDB:
 
         return await anyio.to_thread.run_sync(call, limiter=self._limiter)
 
-    async def execute(self, sql: str, params: tuple[Any, ...] | dict[str, Any] = ()) -> int:
-        def fn(conn: sqlite3.Connection) -> int:
-            cur = conn.execute(sql, params)
-            return int(cur.lastrowid or 0)
-
-        return await self.run(fn)
-
-    async def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        return await self.run(lambda conn: conn.execute(sql, params).fetchall())
-
-    def query_sync(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+    def run_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
-            return self._conn.execute(sql, params).fetchall()
+            return fn(self._conn)
 
-    async def upsert(self, table: str, key: tuple[str, ...], row: dict[str, Any]) -> None:
-        cols = ", ".join(row)
-        marks = ", ".join(f":{c}" for c in row)
-        updates = ", ".join(f"{c}=excluded.{c}" for c in row if c not in key)
-        sql = f"INSERT INTO {table} ({cols}) VALUES ({marks}) ON CONFLICT({', '.join(key)}) DO UPDATE SET {updates}"
-        await self.execute(sql, row)
 
-    async def add_event(
-        self, ts: float, job_id: str | None, attempt: int | None, rank: int | None, kind: str, data: dict[str, Any]
-    ) -> int:
-        return await self.execute(
-            "INSERT INTO events (ts, job_id, attempt, rank, kind, data) VALUES (?, ?, ?, ?, ?, ?)",
-            (ts, job_id, attempt, rank, kind, json.dumps(data, default=str)),
-        )
+def migrate(conn: sqlite3.Connection) -> None:
+    """Bring a database of an earlier release to this schema (columns are only ever added)."""
+    for table, column, decl in MIGRATIONS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    conn.executescript(INDEXES)

@@ -1,0 +1,206 @@
+"""The journal against a real SQLite file: round trips, migration, durability settings, and storage
+trouble (a lock held by another connection, an unusable state directory) that never raises into
+supervision and never leaves a half-made job."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from ddpd.daemon.bus import EventBus
+from ddpd.daemon.errors import StorageError
+from ddpd.daemon.journal import Journal
+from ddpd.daemon.records import Job, Rank
+from ddpd.daemon.state import StateDB
+from ddpd.protocol import JobSpec, JobState, RankState
+
+pytestmark = pytest.mark.anyio
+
+
+async def no_sleep(_: float) -> None:
+    await anyio.lowlevel.checkpoint()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[StateDB]:
+    state = StateDB(tmp_path / "ddpd.db", busy_timeout=0.05)
+    yield state
+    state.close()
+
+
+@pytest.fixture
+def journal(db: StateDB) -> Journal:
+    return Journal(db, EventBus(), retries=(0.0, 0.0), sleep=no_sleep)
+
+
+def make_job(seq: int = 1, key: str | None = None, owner: int = 1000) -> Job:
+    return Job(id=f"j{seq}-abcd", seq=seq, name="t", owner_uid=owner, spec=JobSpec(task="two-layer", nproc=2),
+               state=JobState.QUEUED, submitted_at=time.time(), idempotency_key=key)
+
+
+def locked(path: Path) -> sqlite3.Connection:
+    """Another process's view: a connection holding the database with BEGIN EXCLUSIVE."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN EXCLUSIVE")
+    return conn
+
+
+async def test_jobs_ranks_attempts_and_events_round_trip(journal: Journal) -> None:
+    job = make_job(key="k1")
+    await journal.create_job(job)
+    job.attempt = 1
+    await journal.job_state(job, JobState.STARTING, "attempt 1")
+    rank = Rank(rank=0, attempt=1, pid=123, pgid=123)
+    await journal.save_rank(job, rank)
+    await journal.rank_state(job, rank, RankState.CONNECTED, "rank.connected")
+    await journal.save_attempt(job, 1, pgid=123, store_port=5555, token="tok")
+    await journal.event(None, "daemon.note", detail="x")
+
+    [loaded] = await journal.load_jobs()
+    assert (loaded.id, loaded.state, loaded.idempotency_key, loaded.spec) == (job.id, JobState.STARTING, "k1",
+                                                                             job.spec)
+    assert [r.state for r in await journal.load_ranks(job.id, 1)] == [RankState.CONNECTED]
+    [again] = await journal.load_jobs(recent_ended=0)
+    assert [r.pid for r in again.ranks] == [123]
+    assert (await journal.load_job(job.id)) is not None and await journal.load_job("nope") is None
+    assert await journal.attempt_tokens(job.id, 1) == ["tok"]
+    everything = await journal.list_events(None, 0, 100)
+    mine = await journal.list_events(job.id, 0, 100)
+    assert [e.kind for e in mine] == ["job.state_changed", "rank.connected"]
+    assert len(everything) == 3
+    assert [e.seq for e in await journal.list_events(None, mine[0].seq, 1)] == [mine[1].seq]
+
+
+async def test_delete_job_removes_every_row(journal: Journal, db: StateDB) -> None:
+    job = make_job()
+    await journal.create_job(job)
+    await journal.save_rank(job, Rank(rank=0, attempt=1))
+    await journal.save_attempt(job, 1, pgid=None, store_port=None, token="t")
+    await journal.event(job, "job.note")
+    await journal.delete_job(job.id)
+    for table in ("jobs", "ranks", "attempts", "events"):
+        assert db.run_sync(lambda c, t=table: c.execute(f"SELECT count(*) FROM {t}").fetchone()[0]) == 0
+
+
+def test_durable_and_patient_by_default(tmp_path: Path) -> None:
+    db = StateDB(tmp_path / "ddpd.db")
+    try:
+        assert db.run_sync(lambda c: c.execute("PRAGMA synchronous").fetchone()[0]) == 2  # FULL
+        assert db.run_sync(lambda c: c.execute("PRAGMA busy_timeout").fetchone()[0]) >= 1000
+        assert db.run_sync(lambda c: c.execute("PRAGMA journal_mode").fetchone()[0]) == "wal"
+    finally:
+        db.close()
+
+
+def test_migration_adds_the_idempotency_key(tmp_path: Path) -> None:
+    path = tmp_path / "ddpd.db"
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, name TEXT NOT NULL, owner_uid "
+                "INTEGER NOT NULL, spec TEXT NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL DEFAULT 0, "
+                "priority INTEGER NOT NULL DEFAULT 0, submitted_at REAL NOT NULL, started_at REAL, "
+                "finished_at REAL, reason TEXT, root_cause TEXT)")
+    old.commit()
+    old.close()
+    db = StateDB(path)
+    try:
+        cols = {r[1] for r in db.run_sync(lambda c: c.execute("PRAGMA table_info(jobs)").fetchall())}
+        assert "idempotency_key" in cols
+        indexes = {r[1] for r in db.run_sync(lambda c: c.execute("PRAGMA index_list(jobs)").fetchall())}
+        assert "jobs_idempotency" in indexes
+    finally:
+        db.close()
+
+
+async def test_same_key_same_owner_is_one_row(journal: Journal) -> None:
+    await journal.create_job(make_job(1, key="k"))
+    await journal.create_job(make_job(2, key="k", owner=1001))  # another owner may use the same key
+    with pytest.raises(StorageError):
+        await journal.create_job(make_job(3, key="k"))
+
+
+async def test_locked_database_refuses_a_new_job(journal: Journal, db: StateDB) -> None:
+    """Bug: a submit that failed with `database is locked` still ran its job (a ghost)."""
+    holder = locked(db.path)
+    try:
+        with pytest.raises(StorageError, match="could not be saved"):
+            await journal.create_job(make_job())
+    finally:
+        holder.rollback()
+        holder.close()
+    assert await journal.load_jobs() == []
+
+
+async def test_supervision_writes_degrade_instead_of_raising(journal: Journal, db: StateDB) -> None:
+    job = make_job()
+    await journal.create_job(job)
+    followed = journal.bus.subscribe()
+    holder = locked(db.path)
+    try:
+        with capture_logs() as logs:
+            await journal.job_state(job, JobState.CANCELLED, "cancelled")  # must not raise
+    finally:
+        holder.rollback()
+        holder.close()
+    assert job.state is JobState.CANCELLED and job.finished.is_set()
+    failed = [e for e in logs if e["event"] == "journal.write_failed"]
+    retries = [e for e in logs if e["event"] == "journal.write_retry"]
+    assert failed and failed[0]["log_level"] == "error" and "locked" in failed[0]["error"]
+    # the first write was tried three times (two pauses), the next one once: storage is known to be down
+    assert (len(failed), len(retries)) == (2, 2)
+    assert journal.failed_writes == len(failed)
+    kinds = []
+    while True:
+        try:
+            kinds.append(followed.receive_nowait().kind)
+        except anyio.WouldBlock:
+            break
+    assert "journal.write_failed" in kinds and "job.state_changed" in kinds  # followers still see it
+    # the lock is gone: writes work again
+    await journal.save_job(job)
+    [loaded] = await journal.load_jobs()
+    assert loaded.state is JobState.CANCELLED
+
+
+async def test_after_a_write_was_given_up_the_next_are_tried_once(journal: Journal, db: StateDB) -> None:
+    job = make_job()
+    await journal.create_job(job)
+    holder = locked(db.path)
+    try:
+        await journal.event(job, "first")  # tried three times, then given up
+        with capture_logs() as logs:
+            await journal.event(job, "second")
+            await journal.event(job, "third")
+    finally:
+        holder.rollback()
+        holder.close()
+    assert [e["event"] for e in logs if e["event"].startswith("journal.")] == ["journal.write_failed"] * 2
+    await journal.event(job, "fourth")  # storage is back
+    assert [e.kind for e in await journal.list_events(job.id, 0, 10)] == ["fourth"]
+
+
+def test_state_dir_that_is_a_file(tmp_path: Path) -> None:
+    where = tmp_path / "state"
+    where.write_text("not a directory")
+    with pytest.raises(StorageError, match=f"state directory {where}: exists and is not a directory"):
+        StateDB.open_dir(where)
+
+
+def test_corrupt_database(tmp_path: Path) -> None:
+    (tmp_path / "ddpd.db").write_bytes(b"garbage " * 1000)
+    with pytest.raises(StorageError, match=f"state database {tmp_path / 'ddpd.db'}: file is not a database"):
+        StateDB.open_dir(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_unwritable_state_dir(tmp_path: Path) -> None:
+    where = tmp_path / "state"
+    where.mkdir(mode=0o500)
+    with pytest.raises(StorageError, match=str(where)):
+        StateDB.open_dir(where)

@@ -1,0 +1,75 @@
+"""Job-state decisions as pure logic: after an attempt, after a daemon restart, retention and removal."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpd.daemon import lifecycle
+from ddpd.protocol import JobState
+
+S = JobState
+
+
+def after(outcome: JobState, reason: str = "rank_failed", *, attempt: int = 1, max_restarts: int = 0,
+          cancel: bool = False, accepting: bool = True) -> JobState:
+    return lifecycle.after_attempt(outcome, reason, attempt=attempt, max_restarts=max_restarts,
+                                   cancel_requested=cancel, accepting=accepting)
+
+
+@pytest.mark.parametrize("outcome", [S.FAILED, S.TIMED_OUT])
+def test_failure_restarts_while_restarts_remain(outcome: JobState) -> None:
+    assert after(outcome, attempt=1, max_restarts=2) is S.RESTARTING
+    assert after(outcome, attempt=2, max_restarts=2) is S.RESTARTING
+    assert after(outcome, attempt=3, max_restarts=2) is outcome
+
+
+def test_no_restart_without_max_restarts() -> None:
+    assert after(S.FAILED) is S.FAILED
+
+
+def test_wall_time_never_restarts() -> None:
+    assert after(S.TIMED_OUT, "wall_time", max_restarts=5) is S.TIMED_OUT
+
+
+def test_cancel_never_restarts() -> None:
+    assert after(S.FAILED, max_restarts=5, cancel=True) is S.FAILED
+    assert after(S.CANCELLED, "cancelled by uid 0", max_restarts=5, cancel=True) is S.CANCELLED
+
+
+def test_shutdown_requeues_and_blocks_restarts() -> None:
+    assert after(S.QUEUED, "daemon_shutdown", max_restarts=5) is S.QUEUED
+    assert after(S.FAILED, max_restarts=5, accepting=False) is S.FAILED
+
+
+def test_success_is_final() -> None:
+    assert after(S.SUCCEEDED, "all ranks succeeded", max_restarts=5) is S.SUCCEEDED
+
+
+@pytest.mark.parametrize("state", [S.STARTING, S.RUNNING, S.RESTARTING])
+def test_recovery_requeues_while_a_restart_is_left(state: JobState) -> None:
+    assert lifecycle.after_daemon_restart(state, attempt=1, max_restarts=1) is S.QUEUED
+    assert lifecycle.after_daemon_restart(state, attempt=2, max_restarts=1) is S.FAILED
+    assert lifecycle.after_daemon_restart(state, attempt=1, max_restarts=0) is S.FAILED
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.TIMED_OUT])
+def test_recovery_leaves_queued_and_ended_jobs(state: JobState) -> None:
+    assert lifecycle.after_daemon_restart(state, attempt=1, max_restarts=3) is None
+
+
+def test_running_once_every_rank_joined() -> None:
+    assert lifecycle.when_joined(S.STARTING, 1, 2) is None
+    assert lifecycle.when_joined(S.STARTING, 2, 2) is S.RUNNING
+    assert lifecycle.when_joined(S.RUNNING, 2, 2) is None
+
+
+def test_expiry() -> None:
+    assert lifecycle.expires_at(S.SUCCEEDED, 100.0, 50.0) == 150.0
+    assert lifecycle.expires_at(S.RUNNING, 100.0, 50.0) is None
+    assert lifecycle.expires_at(S.FAILED, 100.0, 0) is None  # retention 0: kept forever
+
+
+def test_removal_only_of_ended_jobs() -> None:
+    assert lifecycle.removal_refused(S.CANCELLED) is None
+    refused = lifecycle.removal_refused(S.RUNNING)
+    assert refused is not None and "RUNNING" in refused

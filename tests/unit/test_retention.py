@@ -1,0 +1,86 @@
+"""Retention and `rm`: ended jobs are pruned when they expire (no polling), with their rows and files."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.daemon.bus import EventBus
+from ddpd.daemon.config import Config
+from ddpd.daemon.errors import ForbiddenError, NotRunnableError
+from ddpd.daemon.journal import Journal
+from ddpd.daemon.records import job_dir
+from ddpd.daemon.resources import Resources
+from ddpd.daemon.scheduler import Scheduler
+from ddpd.daemon.state import StateDB
+from ddpd.protocol import JobSpec, JobState
+
+pytestmark = pytest.mark.anyio
+
+SPEC = JobSpec(task="two-layer", nproc=1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[tuple[Scheduler, Clock]]:
+    db = StateDB(tmp_path / "ddpd.db")
+    clock = Clock()
+    config = Config(state_dir=tmp_path, socket=tmp_path / "s", retention=3600.0)
+    yield Scheduler(config, Journal(db, EventBus()), Resources(0, 4), clock=clock), clock
+    db.close()
+
+
+async def ended_job(sched: Scheduler) -> str:
+    job, _ = await sched.submit(SPEC, 1000, "key")
+    job_dir(sched.config.state_dir, job.id).mkdir(parents=True)
+    (job_dir(sched.config.state_dir, job.id) / "rank-0.log").write_text("log")
+    await sched.cancel(job, "test", force=False)
+    return job.id
+
+
+async def test_expired_job_is_pruned_with_its_files(setup: tuple[Scheduler, Clock]) -> None:
+    sched, clock = setup
+    job_id = await ended_job(sched)
+    kept, _ = await sched.submit(SPEC, 1000)  # not ended: never pruned
+    sched.accepting = False  # no worker in this test: the queue starts nothing
+    events = sched.journal.bus.subscribe()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sched.run, tg)
+        clock.offset = 3600.5  # the first job's time has come (a reload makes the pruner look again)
+        sched.reconfigure(sched.config)
+        with anyio.fail_after(10):
+            async for event in events:
+                if event.kind == "job.pruned":
+                    break
+        tg.cancel_scope.cancel()
+    assert event.data["pruned"] == job_id
+    assert job_id not in sched.jobs and not job_dir(sched.config.state_dir, job_id).exists()
+    assert [j.id for j in await sched.journal.load_jobs()] == [kept.id] and kept.id in sched.jobs
+    assert await sched.journal.list_events(job_id, 0, 100) == []
+    again, existed = await sched.submit(SPEC, 1000, "key")  # the key went with the job
+    assert not existed and again.id != job_id
+
+
+async def test_rm_by_owner_or_root_only_of_ended_jobs(setup: tuple[Scheduler, Clock]) -> None:
+    sched, _ = setup
+    running, _ = await sched.submit(SPEC, 1000)
+    with pytest.raises(NotRunnableError, match="QUEUED"):
+        await sched.remove(running, 1000)
+    job_id = await ended_job(sched)
+    job = sched.jobs[job_id]
+    with pytest.raises(ForbiddenError, match="uid 1000"):
+        await sched.remove(job, 1001)
+    await sched.remove(job, 0)
+    assert job_id not in sched.jobs and not job_dir(sched.config.state_dir, job_id).exists()
+    assert job.state is JobState.CANCELLED
