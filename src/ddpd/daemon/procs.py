@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import signal
 import subprocess
@@ -164,22 +163,18 @@ def find_members(pgid: int | None, marker: bytes | None) -> list[ProcInfo]:
     return found
 
 
-def reap_zombie_children(exclude: set[int]) -> list[int]:
-    """Reap orphans that were reparented to us (we are a subreaper), leaving tracked children alone."""
+def reap_children(pids: Iterable[int]) -> list[int]:
+    """Reap those of `pids` that are our exited children (orphans reparented to us, a subreaper).
+
+    Only the pids given: a zombie of another attempt, or of the pool, is its owner's to wait for
+    (reaped here, its owner's wait would get ECHILD and see exit code 0).
+    """
     reaped: list[int] = []
-    me = os.getpid()
-    for pid in all_pids():
-        if pid in exclude:
-            continue
-        info = proc_info(pid)
-        if info is None or info.ppid != me or info.state != "Z":
-            continue
+    for pid in pids:
         try:
-            os.waitpid(pid, os.WNOHANG)
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child, or already reaped
+            continue
+        if done == pid:
             reaped.append(pid)
-        except ChildProcessError:
-            pass
-        except OSError as exc:  # pragma: no cover - defensive
-            if exc.errno != errno.ECHILD:
-                raise
     return reaped

@@ -12,8 +12,7 @@ from typing import Any, NoReturn
 
 from ddpd.protocol.channel import DaemonMessage, WorkerMessage
 from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
-
-EXIT_DAEMON_GONE = 71
+from ddpd.protocol.worker import EXIT_DAEMON_GONE
 
 
 class Channel:
