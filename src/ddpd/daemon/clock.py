@@ -47,7 +47,7 @@ class FakeClock:
         self._now = start
         self._wall_offset = wall - start
         self.autojump = autojump
-        self._moved = anyio.Event()
+        self._moved: anyio.Event | None = None  # created in the event loop, by the first waiter
 
     def monotonic(self) -> float:
         return self._now
@@ -59,8 +59,9 @@ class FakeClock:
         if seconds < 0:
             raise ValueError("time does not go back")
         self._now += seconds
-        self._moved.set()
-        self._moved = anyio.Event()
+        if self._moved is not None:
+            self._moved.set()
+            self._moved = None
 
     async def sleep_until(self, deadline: float) -> None:
         await anyio.lowlevel.checkpoint()
@@ -68,4 +69,6 @@ class FakeClock:
             if self.autojump:
                 self.advance(deadline - self._now)
                 break
+            if self._moved is None:
+                self._moved = anyio.Event()
             await self._moved.wait()
