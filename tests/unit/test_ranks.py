@@ -8,11 +8,14 @@ from typing import Any, cast
 
 from ddpd.daemon.jobs import Job, Rank
 from ddpd.daemon.launch import rank_env
+from ddpd.daemon.outcome import bounded
 from ddpd.daemon.procs import Exit
 from ddpd.daemon.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
 from ddpd.daemon.rendezvous import Rendezvous
 from ddpd.protocol import JobSpec, JobState
 from ddpd.protocol.channel import Result
+from ddpd.protocol.control import RootCause
+from ddpd.protocol.limits import TEXT_LIMIT
 from ddpd.protocol.worker import RESERVED_ENV, is_reserved_env, parse_worker_args, worker_args
 
 
@@ -80,3 +83,12 @@ def test_the_worker_command_line_round_trips() -> None:
     args = parse_worker_args(worker_args(5, 1234, pool=True))
     assert (args.fd, args.parent, args.pool) == (5, 1234, True)
     assert not parse_worker_args(worker_args(5, 1234)).pool
+
+
+def test_stored_root_causes_are_clipped_head_and_tail() -> None:
+    """Bug: a 400 KB exception message made every status and ls reply exceed the frame limit."""
+    huge = "KeyError: " + "k" * 400_000 + " at the end"
+    cause = bounded(RootCause(reason="rank_failed", detail=huge, message=huge, traceback=huge))
+    for text in (cause.detail, cause.message, cause.traceback):
+        assert text is not None and len(text) <= TEXT_LIMIT
+        assert text.startswith("KeyError: ") and text.endswith(" at the end")

@@ -22,7 +22,6 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.to_thread
-import msgspec
 import structlog
 from structlog.contextvars import bound_contextvars
 
@@ -38,7 +37,7 @@ from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .jobs import Job, Journal, attempt_dir, job_dir, rank_log
 from .launch import Launcher
-from .outcome import Outcome
+from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
 from .rendezvous import RendezvousError, open_rendezvous
@@ -160,11 +159,8 @@ class Attempt:
             outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
         if outcome.hang and outcome.root_cause is not None:
             outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites)
-        if (rc := outcome.root_cause) is not None:  # stored and shown: bounded (the rank log has it all)
-            outcome.root_cause = msgspec.structs.replace(
-                rc, detail=None if rc.detail is None else clip_text(rc.detail),
-                message=None if rc.message is None else clip_text(rc.message),
-                traceback=None if rc.traceback is None else clip_text(rc.traceback))
+        if outcome.root_cause is not None:
+            outcome.root_cause = bounded(outcome.root_cause)
         return outcome
 
     def _evidence(self) -> list[Evidence]:
