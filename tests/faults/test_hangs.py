@@ -121,7 +121,8 @@ async def test_rank_log_replaced_by_a_fifo_does_not_freeze_the_daemon(daemon: Da
     assert pinger.count > 0
     assert job.state == JobState.TIMED_OUT, job.root_cause
     rc = job.root_cause
-    assert rc is not None and rc.reason == "progress_timeout" and rc.rank == 1, rc
+    # rank 1's stack dump cannot be read (its log is a FIFO), so both frozen ranks are named
+    assert rc is not None and rc.reason == "progress_timeout" and 1 in (rc.ranks or []), rc
     assert stat.S_ISFIFO(os.lstat(job.ranks[1].log or "").st_mode)
     await daemon.client.ping()
     assert_nothing_left([job])
