@@ -31,12 +31,12 @@ from ..protocol.control import RootCause
 from ..protocol.limits import clip_text
 from ..protocol.worker import attempt_marker, marker_entry
 from . import procs
-from .clock import Clock, RealClock
+from .clock import Clock, RealClock, wait_until
 from .config import Config
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .jobs import Job, Journal, attempt_dir, job_dir, rank_log
-from .launch import Launcher
+from .launch import Launcher, make_dirs
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
@@ -174,8 +174,12 @@ class Attempt:
 
     async def _launch(self, tg: anyio.abc.TaskGroup, launcher: Launcher) -> None:
         job = self.job
-        await anyio.to_thread.run_sync(lambda: self.dir.mkdir(parents=True, exist_ok=True))
-        await anyio.to_thread.run_sync(lambda: self.checkpoint_dir.mkdir(parents=True, exist_ok=True))
+        try:
+            await anyio.to_thread.run_sync(make_dirs, self.dir, self.checkpoint_dir)
+        except OSError as exc:
+            self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+                reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
+            return
         # the row and its marker first: a daemon killed mid-spawn finds this attempt's processes on restart
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token)
@@ -265,14 +269,7 @@ class Attempt:
             # or until a frame starts a new deadline that may come sooner (bug: a 4 s progress timeout
             # used to wait for the 120 s join deadline the timer had gone to sleep on)
             wake = max(now + 0.01, verdict.next_at if verdict.next_at is not None else now + 1.0)
-            async with anyio.create_task_group() as tg:
-                async def replanned() -> None:
-                    await self._replan.wait()
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(replanned)
-                await self.clock.sleep_until(wake)
-                tg.cancel_scope.cancel()
+            await wait_until(self.clock, wake, self._replan.wait)
 
     async def _warn_stop(self, now: float, wall_at: float) -> None:
         """Before the wall-time limit (as Slurm's --signal): every rank is asked to stop at a step

@@ -8,6 +8,7 @@ earliest deadline a task sleeps on (`autojump`), so a 5 s grace costs no real ti
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import anyio
@@ -72,3 +73,20 @@ class FakeClock:
             if self._moved is None:
                 self._moved = anyio.Event()
             await self._moved.wait()
+
+
+async def wait_until(clock: Clock, deadline: float, until: Callable[[], Awaitable[None]]) -> bool:
+    """Run `until()` until it returns (True) or the clock reaches `deadline` (False)."""
+    finished = False
+
+    async def run(scope: anyio.CancelScope) -> None:
+        nonlocal finished
+        await until()
+        finished = True
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, tg.cancel_scope)
+        await clock.sleep_until(deadline)
+        tg.cancel_scope.cancel()
+    return finished

@@ -17,12 +17,12 @@ import anyio.to_thread
 
 from ..protocol.channel import DumpStacks, Stop
 from . import procs
-from .clock import Clock
+from .clock import Clock, wait_until
 from .files import JobFileError, job_file_size, read_job_file
 from .jobs import Job, Journal
 from .ranks import RankHandle
 from .rootcause import StackSite, locate
-from .teardown import UNKILLABLE_WAIT, wait_until
+from .teardown import UNKILLABLE_WAIT
 
 STACK_DUMP_WAIT = 1.0
 DUMP_READ_LIMIT = 1 << 20  # bytes of a rank log read for its stack dump

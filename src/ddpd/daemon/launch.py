@@ -12,8 +12,10 @@ started before the job existed, gets the difference to its base in ``Assign.env`
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +74,15 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
         "CUDA_VISIBLE_DEVICES": devices,
     })
     return env
+
+
+def make_dirs(*paths: Path) -> None:
+    """Create the attempt's directories (blocking: call it from a thread). The job can write its job
+    directory: one of them already there as a symlink (or anything but a directory) is refused."""
+    for path in paths:
+        path.mkdir(parents=True, exist_ok=True)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise OSError(errno.ENOTDIR, f"{path} is not a directory (a symlink is not followed)")
 
 
 class Launcher:

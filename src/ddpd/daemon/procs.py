@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,13 +63,19 @@ def spawn(
 ) -> subprocess.Popen[bytes]:
     """Start a fresh interpreter with stdin /dev/null and stdout+stderr appended to `log_path`.
 
-    `process_group` 0 makes the child the leader of a new group; a pgid joins that group.
+    `process_group` 0 makes the child the leader of a new group; a pgid joins that group. The log
+    is opened without following a symlink and without blocking, and must be a regular file (a job
+    may have put a FIFO or a link there): else OSError, as for any other failed start.
     """
-    with open(log_path, "ab", buffering=0) as log:
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{log_path} is not a regular file")
         return subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=fd,
             stderr=subprocess.STDOUT,
             env=dict(env),
             cwd=cwd,
@@ -75,6 +83,8 @@ def spawn(
             process_group=process_group,
             close_fds=True,
         )
+    finally:
+        os.close(fd)
 
 
 async def wait_exit(proc: subprocess.Popen[bytes]) -> Exit:

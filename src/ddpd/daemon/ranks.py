@@ -34,8 +34,8 @@ from .outcome import Outcome
 
 MAX_STEP = 2**63 - 1  # a step counter SQLite can store
 YIELD_EVERY = 64  # frames read between two checkpoints of the event loop
-JOURNALED_RATE = 50.0  # checkpoints and failures per second (each is a journal write)
-JOURNALED_BURST = 200.0
+JOURNALED_RATE = 100.0  # checkpoints and failures per second (each is a journal write)
+JOURNALED_BURST = 1000.0
 MAX_FAILURES = 4  # a rank reports one failure, then exits
 RESULT_WAIT = 1.0  # after the exit: how long the frames it sent just before (its result) may take to be read
 

@@ -20,11 +20,8 @@ So a cancel of ranks that ignore both the stop and SIGTERM takes one grace, not 
 from __future__ import annotations
 
 import signal
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import anyio
 
 from .clock import Clock
 
@@ -100,20 +97,3 @@ async def escalate(gang: Gang, clock: Clock, grace: float, *, graceful: bool, ha
     done.did("sweep", clock.monotonic())
     await gang.sweep()
     return done
-
-
-async def wait_until(clock: Clock, deadline: float, until: Callable[[], Awaitable[None]]) -> bool:
-    """Run `until()` until it returns (True) or the clock reaches `deadline` (False)."""
-    finished = False
-
-    async def run(scope: anyio.CancelScope) -> None:
-        nonlocal finished
-        await until()
-        finished = True
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run, tg.cancel_scope)
-        await clock.sleep_until(deadline)
-        tg.cancel_scope.cancel()
-    return finished
