@@ -85,7 +85,7 @@ def test_worker_channel_decoder_never_breaks(stream: tuple[list[bytes], list[int
     for line in payload.split(b"\n")[:-1]:
         try:
             expected.append(msgspec.json.decode(line, type=WorkerMessage))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # deep nesting: a bad frame
             break
     assert got[: len(expected)] == expected if error is not None else got == expected
 
