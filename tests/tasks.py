@@ -130,3 +130,39 @@ def garbage_to_daemon(ctx: TaskContext) -> Task:
             view = view[os.write(fd, view):]
 
     return _at_step(ctx, slow(ctx), write, default_step=2)
+
+
+def fifo_log_then_hang(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` replaces its own rank log by a FIFO (that nobody writes) at step
+    `options["at_step"]`, then blocks forever (prints ``HANGING at step N`` first, into the real log)."""
+    import os
+
+    def action(step: int) -> None:
+        path = os.readlink("/proc/self/fd/1")  # the rank log the daemon opened for it
+        print(f"HANGING at step {step}", flush=True)
+        os.unlink(path)
+        os.mkfifo(path)
+        threading.Event().wait()
+
+    return _at_step(ctx, slow(ctx), action)
+
+
+def flood_heartbeats(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` sends Heartbeat frames on its channel as fast as it can from step
+    `options["at_step"]` on (prints ``FLOODING`` first)."""
+    import os
+
+    from ddpd.protocol import encode
+    from ddpd.protocol.channel import Heartbeat
+
+    fd = int(sys.argv[sys.argv.index("--fd") + 1])  # the worker's inherited channel socket
+
+    def flood(step: int) -> None:
+        print("FLOODING", flush=True)
+        batch = encode(Heartbeat(step=step)) * 512
+        while True:
+            view = memoryview(batch)
+            while view:
+                view = view[os.write(fd, view):]
+
+    return _at_step(ctx, slow(ctx), flood)

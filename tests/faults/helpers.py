@@ -92,3 +92,20 @@ async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:
 
 def now() -> float:
     return time.time()
+
+
+class Pinger:
+    """Pings the daemon every `every` seconds until stopped, each ping bounded by `bound`; keeps the worst."""
+
+    def __init__(self, d: DaemonProc, bound: float = 2.0, every: float = 0.05) -> None:
+        self.d, self.bound, self.every = d, bound, every
+        self.worst = 0.0
+        self.count = 0
+
+    async def run(self, stop: anyio.Event) -> None:
+        while not stop.is_set():
+            with anyio.fail_after(self.bound):  # a frozen loop fails the test here
+                self.worst = max(self.worst, await self.d.client.ping())
+            self.count += 1
+            with anyio.move_on_after(self.every):  # pacing, not ordering
+                await stop.wait()

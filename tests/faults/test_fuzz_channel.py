@@ -1,4 +1,5 @@
-"""Property: the daemon's end of a worker channel turns any byte stream into frames or a FrameError."""
+"""The daemon's end of a worker channel: any byte stream becomes frames or a FrameError (a property),
+and a rank that floods it is failed while the daemon keeps serving (a real daemon and worker)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import socket
 
 import anyio
 import msgspec
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ddpd.daemon.channel import WorkerChannel
-from ddpd.protocol import MAX_FRAME, FrameError, encode
+from ddpd.protocol import MAX_FRAME, FrameError, JobState, encode
 from ddpd.protocol.channel import Heartbeat, Hello, PhaseChanged, Progress, WorkerMessage
+
+from ..conftest import DaemonProc, assert_nothing_left
+from .helpers import Pinger, report_line
 
 VALID: list[WorkerMessage] = [
     Hello(version=1, pid=1, python="3.11", torch=None),
@@ -80,6 +85,29 @@ def test_worker_channel_decoder_never_breaks(stream: tuple[list[bytes], list[int
     for line in payload.split(b"\n")[:-1]:
         try:
             expected.append(msgspec.json.decode(line, type=WorkerMessage))
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):  # deep nesting: a bad frame
             break
     assert got[: len(expected)] == expected if error is not None else got == expected
+
+
+@pytest.mark.anyio
+async def test_a_rank_flooding_its_channel_is_failed_and_the_daemon_keeps_answering(daemon: DaemonProc) -> None:
+    """Bug: two ranks flooding Heartbeat frames starved the loop (one ping took 14.9 s). Each rank has a
+    frame budget and the reader yields between batches: the flooding rank is named, ping stays answered."""
+    spec = daemon.spec(task="tests.tasks:flood_heartbeats", nproc=2, steps=100_000,
+                       options={"rank": 1, "at_step": 3, "step_sleep": 0.02}, timeouts={"kill_grace": 2.0})
+    job_id = await daemon.client.submit(spec)
+    await daemon.wait_event(job_id, lambda e: e.kind == "rank.progress")
+    pinger, done = Pinger(daemon), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pinger.run, done)
+        with anyio.fail_after(60):
+            job = await daemon.client.wait(job_id)
+        done.set()
+    report_line(f"Heartbeat flood: worst ping {pinger.worst * 1000:.1f} ms over {pinger.count} pings")
+    assert job.state == JobState.FAILED, job.root_cause
+    rc = job.root_cause
+    assert rc is not None and rc.reason == "protocol_error" and rc.rank == 1, rc
+    assert "rank 1 flooded its channel" in (rc.detail or ""), rc
+    await daemon.client.ping()
+    assert_nothing_left([job])

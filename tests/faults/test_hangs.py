@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 from pathlib import Path
 
 import anyio
@@ -12,7 +13,7 @@ import pytest
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left
-from .helpers import events_of, now, report_fault
+from .helpers import Pinger, events_of, now, report_fault, report_line
 
 pytestmark = pytest.mark.anyio
 
@@ -98,4 +99,30 @@ async def test_stopped_rank_is_caught_by_the_heartbeat_timeout(daemon: DaemonPro
     rc = job.root_cause
     assert rc is not None and rc.reason == "heartbeat_timeout" and rc.rank == 1, rc
     assert job.ranks[0].stack_dump
+    assert_nothing_left([job])
+
+
+async def test_rank_log_replaced_by_a_fifo_does_not_freeze_the_daemon(daemon: DaemonProc) -> None:
+    """Bug: a job that replaced its own rank log by a FIFO and then hung froze the event loop (the
+    stack-dump step opened the log on the loop thread): ping went unanswered for 68 s. Job files are
+    read off the loop, non-blocking and regular files only: the job is torn down, ping keeps answering."""
+    spec = daemon.spec(task="tests.tasks:fifo_log_then_hang", nproc=2, steps=100_000,
+                       options={"rank": 1, "at_step": 3, "step_sleep": 0.02},
+                       timeouts={"progress": 4.0, "kill_grace": 2.0})
+    job_id = await daemon.client.submit(spec)
+    await daemon.wait_event(job_id, lambda e: e.kind == "rank.progress")
+    pinger, done = Pinger(daemon), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pinger.run, done)
+        with anyio.fail_after(60):
+            job = await daemon.client.wait(job_id)
+        done.set()
+    report_line(f"FIFO rank log: worst ping {pinger.worst * 1000:.1f} ms over {pinger.count} pings")
+    assert pinger.count > 0
+    assert job.state == JobState.TIMED_OUT, job.root_cause
+    rc = job.root_cause
+    # rank 1's stack dump cannot be read (its log is a FIFO), so both frozen ranks are named
+    assert rc is not None and rc.reason == "progress_timeout" and 1 in (rc.ranks or []), rc
+    assert stat.S_ISFIFO(os.lstat(job.ranks[1].log or "").st_mode)
+    await daemon.client.ping()
     assert_nothing_left([job])

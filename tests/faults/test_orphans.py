@@ -40,7 +40,10 @@ async def test_grandchildren_die_with_the_job(daemon: DaemonProc) -> None:
 
 
 async def test_rank_ignoring_sigterm_is_killed_after_the_grace(daemon: DaemonProc) -> None:
-    """Cancel asks for a graceful stop; rank 1 is stuck and every rank ignores SIGTERM: SIGKILL ends them."""
+    """Cancel asks for a graceful stop; rank 1 is stuck and every rank ignores SIGTERM: SIGKILL ends them.
+
+    Bug: the stop and SIGTERM each waited a whole grace (4.05 s with a 2 s grace); they share one deadline.
+    """
     spec = daemon.spec(task="tests.tasks:hang_ignoring_sigterm", nproc=2, steps=100_000,
                        options={"rank": 1, "at_step": 3}, timeouts={"kill_grace": 2.0})
     job_id = await daemon.client.submit(spec)
@@ -55,7 +58,9 @@ async def test_rank_ignoring_sigterm_is_killed_after_the_grace(daemon: DaemonPro
     events = await events_of(daemon, job_id)
     steps = [(e.kind, e.data.get("signal")) for e in events if e.kind in ("job.stop_requested", "job.teardown")]
     assert steps == [("job.stop_requested", None), ("job.teardown", "SIGTERM"), ("job.teardown", "SIGKILL")]
-    assert seconds >= 4.0  # the graceful stop's grace, then SIGTERM's grace
+    torn_down = next(e for e in events if e.kind == "job.torn_down")
+    assert 2.0 <= torn_down.data["seconds"] < 1.6 * 2.0, torn_down.data  # one grace, not two
+    assert seconds < 1.6 * 2.0 + 2.0  # from the cancel to the final state (a loaded machine's margin)
     assert_nothing_left([job])
 
 

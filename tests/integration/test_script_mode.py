@@ -11,10 +11,11 @@ from typing import Any
 import anyio
 import pytest
 
+from ddpd.client import RemoteError
 from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView
 
-from ..conftest import REPO, DaemonProc, assert_nothing_left
+from ..conftest import JOB_TIMEOUT, REPO, DaemonProc, assert_nothing_left
 from ..scripts.helpers import ENV_MARK, SCRIPTS, rank_reports
 
 pytestmark = pytest.mark.anyio
@@ -112,3 +113,40 @@ async def test_optional_api_reports_steps_and_a_failing_script_is_the_root_cause
     assert bad_view.root_cause is not None and bad_view.root_cause.exit_code == 3
     assert bad_view.root_cause.rank == 0
     assert_nothing_left([ok_view, bad_view])
+
+
+async def test_a_script_that_never_joins_and_exits_0_succeeds(daemon: DaemonProc) -> None:
+    """Bug: a script that exited 0 without calling init_process_group ended FAILED internal_error
+    (STARTING -> SUCCEEDED was not a legal transition); torchrun reports it as a success."""
+    job = await daemon.run(daemon.spec(script=[str(SCRIPTS / "no_join.py")], nproc=2))
+    assert job.state == JobState.SUCCEEDED, (job.reason, job.root_cause)
+    assert [r.state for r in job.ranks] == ["EXITED", "EXITED"]
+    assert [r.exit_code for r in job.ranks] == [0, 0]
+    events = await _events(daemon, job.id)
+    assert not [e for e in events if e.kind == "rank.joined"]
+    assert_nothing_left([job])
+
+
+async def test_the_daemons_variables_win_over_the_jobs_env(daemon: DaemonProc) -> None:
+    """Bug: spec.env was applied after the daemon's own variables: a job could override its attempt
+    marker (its setsid children then survived teardown) and CUDA_VISIBLE_DEVICES. Either the submit
+    refuses the reserved names, or the ranks see the daemon's values."""
+    forged = {"DDPD_ATTEMPT": "forged:1:0000", "CUDA_VISIBLE_DEVICES": "0,1", "RANK": "5", "MY_VAR": "kept"}
+    spec = daemon.spec(script=[str(SCRIPTS / "no_join.py")], nproc=1, env=forged)
+    refused: RemoteError | None = None
+    try:
+        job_id = await daemon.client.submit(spec)
+    except RemoteError as exc:  # refused at the door, naming the key
+        refused = exc
+    if refused is not None:
+        assert any(key in str(refused) for key in forged if key != "MY_VAR"), refused
+        return
+    with anyio.fail_after(JOB_TIMEOUT):
+        job = await daemon.client.wait(job_id)
+    assert job.state == JobState.SUCCEEDED, job.root_cause
+    env: dict[str, str] = (await rank_reports(daemon.client, job.id))[0]["env"]
+    assert env["DDPD_ATTEMPT"].startswith(f"{job.id}:1:")
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU job sees no GPU
+    assert env["RANK"] == "0"
+    assert env["MY_VAR"] == "kept"
+    assert_nothing_left([job])

@@ -1,4 +1,7 @@
-"""The daemon's end of a worker channel: non-blocking socket, NDJSON frames, no polling."""
+"""The daemon's end of a worker channel: non-blocking socket, NDJSON frames, no polling.
+
+Any byte stream a worker sends becomes frames or a FrameError, never another exception.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +36,11 @@ class WorkerChannel:
             if not data:
                 return
             for line in self._splitter.feed(data):
-                yield _decoder.decode_frame(line)
+                try:
+                    message = _decoder.decode_frame(line)
+                except RecursionError:  # msgspec's own error for deep nesting is not a DecodeError
+                    raise FrameError("malformed_frame", "frame nested too deeply") from None
+                yield message
 
     async def send(self, message: DaemonMessage) -> bool:
         """Send one frame; False when the worker is gone."""

@@ -4,7 +4,7 @@ A cold rank pays for ``import torch`` and the modules DDP imports lazily (about 
 one has done that before the job was submitted. The pool is one service in the daemon's root
 task group:
 
-- **Spawning**: ``<worker> --fd N --parent <daemon pid> --pool`` through ``procs.spawn``, always
+- **Spawning**: ``<worker> --fd N --parent <daemon pid> --pool`` (``protocol.worker``) through ``procs.spawn``, always
   from the event-loop thread (the worker's PR_SET_PDEATHSIG fires when the parent *thread* exits,
   so never from ``anyio.to_thread``), never forked from the daemon. Each pool worker leads its own
   new process group (``process_group=0``), so an idle one is never hit by an attempt's group
@@ -46,6 +46,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ..protocol import FrameError, JobSpec
 from ..protocol.channel import Hello, WorkerMessage
+from ..protocol.worker import worker_args
 from . import procs
 from .channel import WorkerChannel
 from .config import Config
@@ -186,7 +187,7 @@ class WarmPool:
         """Start one pool worker (from the event-loop thread: see the module docstring)."""
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [*(self.config.worker_command or (sys.executable, "-m", "ddpd.worker")),
-                "--fd", str(child_end.fileno()), "--parent", str(os.getpid()), "--pool"]
+                *worker_args(child_end.fileno(), os.getpid(), pool=True)]
         try:
             proc = procs.spawn(argv, env=pool_env(), cwd=str(self.config.state_dir), log_path=self.log_path,
                                pass_fds=[child_end.fileno()], process_group=0)

@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,13 +63,19 @@ def spawn(
 ) -> subprocess.Popen[bytes]:
     """Start a fresh interpreter with stdin /dev/null and stdout+stderr appended to `log_path`.
 
-    `process_group` 0 makes the child the leader of a new group; a pgid joins that group.
+    `process_group` 0 makes the child the leader of a new group; a pgid joins that group. The log
+    is opened without following a symlink and without blocking, and must be a regular file (a job
+    may have put a FIFO or a link there): else OSError, as for any other failed start.
     """
-    with open(log_path, "ab", buffering=0) as log:
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{log_path} is not a regular file")
         return subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=fd,
             stderr=subprocess.STDOUT,
             env=dict(env),
             cwd=cwd,
@@ -76,6 +83,8 @@ def spawn(
             process_group=process_group,
             close_fds=True,
         )
+    finally:
+        os.close(fd)
 
 
 async def wait_exit(proc: subprocess.Popen[bytes]) -> Exit:
@@ -164,22 +173,18 @@ def find_members(pgid: int | None, marker: bytes | None) -> list[ProcInfo]:
     return found
 
 
-def reap_zombie_children(exclude: set[int]) -> list[int]:
-    """Reap orphans that were reparented to us (we are a subreaper), leaving tracked children alone."""
+def reap_children(pids: Iterable[int]) -> list[int]:
+    """Reap those of `pids` that are our exited children (orphans reparented to us, a subreaper).
+
+    Only the pids given: a zombie of another attempt, or of the pool, is its owner's to wait for
+    (reaped here, its owner's wait would get ECHILD and see exit code 0).
+    """
     reaped: list[int] = []
-    me = os.getpid()
-    for pid in all_pids():
-        if pid in exclude:
-            continue
-        info = proc_info(pid)
-        if info is None or info.ppid != me or info.state != "Z":
-            continue
+    for pid in pids:
         try:
-            os.waitpid(pid, os.WNOHANG)
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child, or already reaped
+            continue
+        if done == pid:
             reaped.append(pid)
-        except ChildProcessError:
-            pass
-        except OSError as exc:  # pragma: no cover - defensive
-            if exc.errno != errno.ECHILD:
-                raise
     return reaped

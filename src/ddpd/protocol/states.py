@@ -9,7 +9,8 @@ class JobState(enum.StrEnum):
     """State of a job.
 
     QUEUED -> STARTING | CANCELLED | FAILED
-    STARTING -> RUNNING | RESTARTING | FAILED | CANCELLED | TIMED_OUT
+    STARTING -> RUNNING | SUCCEEDED | RESTARTING | FAILED | CANCELLED | TIMED_OUT
+      (SUCCEEDED: a script whose ranks all exit 0 without ever joining, as torchrun counts it)
     RUNNING -> SUCCEEDED | RESTARTING | FAILED | CANCELLED | TIMED_OUT
     RESTARTING -> STARTING | FAILED | CANCELLED
     SUCCEEDED, FAILED, CANCELLED, TIMED_OUT are final.
@@ -35,8 +36,8 @@ _FINAL_JOB = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED,
 _JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED, JobState.FAILED}),
     JobState.STARTING: frozenset(
-        {JobState.RUNNING, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT,
-         JobState.QUEUED}
+        {JobState.RUNNING, JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED,
+         JobState.TIMED_OUT, JobState.QUEUED}
     ),
     JobState.RUNNING: frozenset(
         {JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT,

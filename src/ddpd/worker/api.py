@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddpd.protocol.channel import PhaseChanged, Progress
+from ddpd.protocol.channel import PhaseChanged
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -39,10 +39,7 @@ def report(step: int, loss: Any = None) -> None:
     if runtime.phase != "training":
         runtime.phase = "training"
         runtime.send(PhaseChanged(phase="training"))
-    value = None if loss is None else float(loss)
-    runtime.step = int(step)
-    runtime.loss = value
-    runtime.send(Progress(step=int(step), loss=value))
+    runtime.progress(int(step), None if loss is None else float(loss))
 
 
 def should_stop() -> bool:

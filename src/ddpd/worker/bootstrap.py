@@ -7,7 +7,6 @@ flushes stdout/stderr and leaves with ``os._exit`` (C++ static destructors after
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import faulthandler
 import importlib
@@ -25,12 +24,12 @@ from typing import Any, NoReturn
 
 from ddpd.protocol.channel import Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
 from ddpd.protocol.framing import PROTOCOL_VERSION
+from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
 from .runtime import Channel, Runtime
 
 PR_SET_PDEATHSIG = 1
-EXIT_ORPHANED = 70
 
 # Modules that DistributedDataParallel's constructor imports lazily (measured on torch 2.13: about
 # 1 s of a cold start); a warm-pool interpreter imports them before its hello.
@@ -46,14 +45,6 @@ POOL_IMPORTS = (
     "torch.utils.data.distributed",
     "torch.profiler",
 )
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ddpd.worker")
-    parser.add_argument("--fd", type=int, required=True, help="inherited AF_UNIX socket to the daemon")
-    parser.add_argument("--parent", type=int, required=True, help="the daemon's pid")
-    parser.add_argument("--pool", action="store_true", help="warm-pool interpreter: pre-import DDP")
-    return parser.parse_args(argv)
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
@@ -150,7 +141,7 @@ def fail(runtime: Runtime, exc: BaseException, code: int) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    args = parse_args(argv)
+    args = parse_worker_args(argv)
     set_pdeathsig()
     if os.getppid() != args.parent:
         os._exit(EXIT_ORPHANED)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpd.protocol.channel import Assign, Checkpointed, PhaseChanged, Progress, Result
+from ddpd.protocol.channel import Assign, Checkpointed, PhaseChanged, Result
 from ddpd.protocol.spec import JobSpec
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -113,9 +113,7 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
                 (loss / accumulate if accumulate > 1 else loss).backward()
             losses.append(loss.detach())
         optimizer.step()
-        runtime.loss = (losses[0] if accumulate == 1 else torch.stack(losses).float().mean()).item()
-        runtime.step = step
-        runtime.send(Progress(step=step, loss=runtime.loss))
+        runtime.progress(step, (losses[0] if accumulate == 1 else torch.stack(losses).float().mean()).item())
         if spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0:
             saved = checkpoint(runtime, assign, model, optimizer, step)
 

@@ -7,13 +7,18 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from ddpd.protocol.channel import DaemonMessage, WorkerMessage
+from ddpd.protocol.channel import DaemonMessage, Progress, WorkerMessage
 from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
+from ddpd.protocol.worker import EXIT_DAEMON_GONE
 
-EXIT_DAEMON_GONE = 71
+# Progress frames a rank sends at most: every step of a short run, then PROGRESS_RATE a second (the
+# heartbeats carry the step counter too, and the daemon fails a rank that floods its channel)
+PROGRESS_RATE = 100.0
+PROGRESS_BURST = 200.0
 
 
 class Channel:
@@ -92,5 +97,18 @@ class Runtime:
         # can block in native code, so the worker leaves without running those destructors
         self.keepalive: list[Any] = []
 
+        self._progress_tokens = PROGRESS_BURST
+        self._progress_at = time.monotonic()
+
     def send(self, message: WorkerMessage) -> None:
         self.channel.send(message)
+
+    def progress(self, step: int, loss: float | None) -> None:
+        """Record that `step` is done and tell the daemon, unless that would exceed PROGRESS_RATE."""
+        self.step, self.loss = step, loss
+        now = time.monotonic()
+        self._progress_tokens = min(PROGRESS_BURST, self._progress_tokens + (now - self._progress_at) * PROGRESS_RATE)
+        self._progress_at = now
+        if self._progress_tokens >= 1.0:
+            self._progress_tokens -= 1.0
+            self.send(Progress(step=step, loss=loss))

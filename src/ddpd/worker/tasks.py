@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpd.protocol.spec import BUILTIN_TASKS
+
 Options = dict[str, str | int | float | bool]
 
 
@@ -116,13 +118,19 @@ def mlp(ctx: TaskContext) -> Task:
     return Task(model=model, loss=lambda out, b: mse(out, b[1]), batches=lambda i: (x, y))
 
 
-BUILTINS: dict[str, TaskFactory] = {"two-layer": two_layer, "mlp": mlp}
+def builtin(name: str) -> TaskFactory | None:
+    """The factory of a built-in task (``protocol.spec.BUILTIN_TASKS`` names them: ``two-layer`` is
+    the function ``two_layer`` of this module); None for any other name."""
+    if name not in BUILTIN_TASKS:
+        return None
+    factory: TaskFactory = globals()[name.replace("-", "_")]
+    return factory
 
 
 def resolve_factory(name: str, workdir: str | None = None) -> TaskFactory:
     """A built-in by name, or ``module:factory`` imported with `workdir` (or cwd) on sys.path."""
-    if name in BUILTINS:
-        return BUILTINS[name]
+    if (factory := builtin(name)) is not None:
+        return factory
     module_name, sep, attr = name.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"task {name!r} is neither a built-in nor 'module:factory'")

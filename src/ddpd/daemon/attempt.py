@@ -1,0 +1,294 @@
+"""One attempt of one job: rendezvous, launch, watch every rank, decide, tear down.
+
+The attempt's story, told by the modules it composes: `rendezvous` binds the store's port before
+any rank starts; the attempt row and its marker are saved (journal) before the first rank is
+spawned; `launch` starts each rank (cold or from the warm pool) with an environment built once;
+`ranks` turns each rank's frames and exit into its state; `deadlines` says when a timeout is due
+and the attempt sleeps on its `Clock` until then (or until a frame moves a deadline); the first
+conclusion wins (the rest is collateral); `teardown` escalates against one deadline over the
+attempt's `gang`, shielded, and ends only when no process of the attempt is left.
+
+Every rank's tasks are bound to ``job_id``, ``attempt`` and ``rank`` in structlog's contextvars.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from ..protocol import FrameError, JobState, RankState
+from ..protocol.channel import Hello, Stop
+from ..protocol.control import RootCause
+from ..protocol.limits import clip_text
+from ..protocol.worker import attempt_marker, marker_entry
+from . import procs
+from .clock import Clock, RealClock, wait_until
+from .config import Config
+from .deadlines import Limits, Watch, check
+from .gang import RankGang
+from .jobs import Job, Journal, attempt_dir, job_dir, rank_log
+from .launch import Launcher, make_dirs
+from .outcome import Outcome, bounded
+from .pool import WarmPool
+from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
+from .rendezvous import RendezvousError, open_rendezvous
+from .rootcause import Evidence, explain_hang, pick_root_cause
+from .teardown import escalate
+
+log = structlog.get_logger("ddpd")
+
+__all__ = ["Attempt", "Outcome"]
+
+
+def boot_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+class Attempt:
+    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
+                 pool: WarmPool | None = None, clock: Clock | None = None) -> None:
+        self.config = config
+        self.pool = pool  # the daemon's warm pool, None when it keeps none
+        self.journal = journal
+        self.job = job
+        self.number = number
+        self.timeouts = timeouts
+        self.clock: Clock = clock or RealClock()
+        self.frame_rate = float(config.rank_frames_per_second)
+        self.token = secrets.token_hex(8)
+        self.marker = attempt_marker(job.id, number, self.token)
+        self.outcome: Outcome | None = None
+        self.gang = RankGang(job, journal, self.clock, marker_entry(job.id, number, self.token), boot_ticks())
+        self._concluded = anyio.Event()
+        self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
+        self._warned = False  # the ranks were asked to stop before the wall-time limit
+        self._started = self.clock.monotonic()
+        self._started_wall = self.clock.time()
+        self._launcher: Launcher | None = None
+        self.limits = Limits(join=float(timeouts["join"]), heartbeat=float(timeouts["heartbeat"]),
+                             progress=float(timeouts["progress"]), heartbeat_interval=config.heartbeat_interval,
+                             wall=None if timeouts.get("wall") is None else float(timeouts["wall"]),
+                             stop_warning=float(timeouts["stop_warning"]))
+        self.dir = attempt_dir(config.state_dir, job.id, number)
+        self.checkpoint_dir = job_dir(config.state_dir, job.id) / "checkpoints"
+        self.log = log.bind(job_id=job.id, attempt=number)
+
+    @property
+    def handles(self) -> list[RankHandle]:
+        return self.gang.handles
+
+    @property
+    def pgid(self) -> int | None:
+        return self.gang.pgid
+
+    # -- decisions (the RankContext of the ranks' tasks) ------------------------------------
+
+    def conclude(self, outcome: Outcome) -> None:
+        """The first conclusion wins; later ones (collateral) are ignored."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self._concluded.set()
+
+    def replan(self) -> None:
+        self._replan.set()
+
+    def signals_sent(self) -> frozenset[str]:
+        return frozenset(self.gang.signals_sent)
+
+    def exit_outcome(self) -> Outcome | None:
+        return finished_outcome(self.handles, self.job.spec.nproc, self.job.spec.script is not None, self.number,
+                                cancel_requested=self.job.cancel_requested, warned=self._warned,
+                                stop_warning_lead=self.limits.stop_warning_lead, wall=self.limits.wall)
+
+    def request_cancel(self, reason: str, force: bool) -> None:
+        self.conclude(Outcome(JobState.CANCELLED, reason, graceful=not force))
+        if force:
+            self.gang.signal_now(signal.SIGKILL)
+
+    def request_shutdown(self) -> None:
+        """The daemon is stopping: stop at a step boundary (checkpoint) and go back to the queue."""
+        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+
+    def force(self) -> None:
+        """A second stop signal: no more grace."""
+        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown"))
+        self.gang.signal_now(signal.SIGKILL)
+
+    # -- the attempt -----------------------------------------------------------------------
+
+    async def run(self) -> Outcome:
+        job = self.job
+        try:
+            rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
+        except RendezvousError as exc:
+            return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
+        job.store_port = rdzv.port
+        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port)
+        launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
+                                             self.limits.join, self.clock, self.pool)
+        try:
+            async with anyio.create_task_group() as tg:
+                try:
+                    await self._launch(tg, launcher)
+                    tg.start_soon(self._timers)
+                    await self._concluded.wait()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        if self.outcome is None:  # cancelled from outside: the daemon is stopping
+                            self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+                        await self._teardown()
+                        tg.cancel_scope.cancel()
+        finally:
+            for h in self.handles:
+                h.channel.close()
+            rdzv.close()
+        assert self.outcome is not None
+        return self._finish_outcome(self.outcome)
+
+    def _finish_outcome(self, outcome: Outcome) -> Outcome:
+        if outcome.state is JobState.FAILED and outcome.root_cause is None:
+            outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
+        if outcome.hang and outcome.root_cause is not None:
+            outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites)
+        if outcome.root_cause is not None:
+            outcome.root_cause = bounded(outcome.root_cause)
+        return outcome
+
+    def _evidence(self) -> list[Evidence]:
+        return [
+            Evidence(rank=h.rank.rank, state=h.state_at_failure or h.rank.state.value, exit=h.exit,
+                     failure=h.failure, failed_at=h.failed_at, signals_sent_before_exit=h.signals_before_exit)
+            for h in self.handles
+        ]
+
+    # -- launching -------------------------------------------------------------------------
+
+    async def _launch(self, tg: anyio.abc.TaskGroup, launcher: Launcher) -> None:
+        job = self.job
+        try:
+            await anyio.to_thread.run_sync(make_dirs, self.dir, self.checkpoint_dir)
+        except OSError as exc:
+            self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+                reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
+            return
+        # the row and its marker first: a daemon killed mid-spawn finds this attempt's processes on restart
+        await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
+                                        token=self.token)
+        for r in range(job.spec.nproc):
+            if self.outcome is not None:
+                return
+            log_path = rank_log(self.config.state_dir, job.id, self.number, r)
+            try:
+                h = launcher.start(r, log_path, self.gang.pgid)
+            except OSError as exc:
+                self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+                    reason="spawn_failed", rank=r, attempt=self.number,
+                    detail=clip_text(f"cannot start rank {r}: {exc}"))))
+                return
+            first = self.gang.pgid is None
+            if first:
+                self.gang.pgid = h.rank.pgid
+            job.ranks.append(h.rank)
+            self.handles.append(h)
+            await self.journal.save_rank(job, h.rank)
+            await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=self.gang.pgid,
+                                     log=str(log_path), **({"pooled": True} if h.pooled else {}))
+            tg.start_soon(self._rank_tasks, h)
+            if first:
+                await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=launcher.rdzv.port,
+                                                token=self.token)
+
+    async def _rank_tasks(self, h: RankHandle) -> None:
+        """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""
+        with bound_contextvars(job_id=self.job.id, attempt=self.number, rank=h.rank.rank):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_exit, h, self)
+                if h.hello is not None:  # a pooled rank said hello to the pool
+                    await self.connected(h, h.hello)
+                await read_frames(h, self)
+
+    async def connected(self, h: RankHandle, hello: Hello) -> None:
+        """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.
+
+        A pooled rank leads its own process group: as the attempt's first rank it becomes the
+        attempt's group (Assign.pgid = its pid, a no-op), else it joins the leader's with setpgid on
+        Assign, checked against /proc when it reports store_connected. Until then group signals may
+        miss it, so the gang signals pooled ranks by pid too.
+        """
+        await self.journal.rank_state(self.job, h.rank, RankState.CONNECTED, "rank.connected",
+                                      worker_pid=hello.pid, protocol=hello.version, torch=hello.torch,
+                                      pooled=h.pooled)
+        assert self._launcher is not None
+        await h.channel.send(self._launcher.assignment(h, self.gang.pgid or 0))
+
+    async def check_pgid(self, h: RankHandle) -> None:
+        """A pooled rank moved itself into the attempt's group: verify it (the daemon cannot, after exec)."""
+        info = await anyio.to_thread.run_sync(procs.proc_info, h.proc.pid)
+        if info is not None and h.proc.returncode is None and info.pgid != self.gang.pgid:
+            raise FrameError("pgid_mismatch", f"rank {h.rank.rank} (pid {h.proc.pid}) is in process group "
+                                              f"{info.pgid}, not the attempt's {self.gang.pgid}")
+
+    # -- deadlines -------------------------------------------------------------------------
+
+    def _watch(self) -> Watch:
+        wall_at = None
+        if self.limits.wall is not None and self.job.started_at is not None:  # counted from the first start
+            wall_at = self._started + self.limits.wall - (self._started_wall - self.job.started_at)
+        return Watch(number=self.number, started=self._started, nproc=self.job.spec.nproc,
+                     script=self.job.spec.script is not None, wall_at=wall_at, warned=self._warned)
+
+    async def _timers(self) -> None:
+        while self.outcome is None:
+            self._replan = anyio.Event()
+            now = self.clock.monotonic()
+            watch = self._watch()
+            verdict = check(self.limits, watch, [h.clock_view() for h in self.handles], now)
+            if verdict.outcome is not None:
+                self.conclude(verdict.outcome)
+                return
+            for h in self.handles:
+                if h.rank.rank in verdict.missed:
+                    h.missed_reported = h.rank.last_frame
+                    await self.journal.event(self.job, "rank.heartbeat_missed", rank=h.rank.rank,
+                                             silent=round(now - (h.rank.last_frame or now), 3),
+                                             interval=self.config.heartbeat_interval,
+                                             timeout=self.limits.heartbeat, state=h.rank.state.value)
+            if verdict.warn:
+                await self._warn_stop(now, watch.wall_at or now)
+                continue
+            # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it later),
+            # or until a frame starts a new deadline that may come sooner (bug: a 4 s progress timeout
+            # used to wait for the 120 s join deadline the timer had gone to sleep on)
+            wake = max(now + 0.01, verdict.next_at if verdict.next_at is not None else now + 1.0)
+            await wait_until(self.clock, wake, self._replan.wait)
+
+    async def _warn_stop(self, now: float, wall_at: float) -> None:
+        """Before the wall-time limit (as Slurm's --signal): every rank is asked to stop at a step
+        boundary and checkpoint. Ranks that then exit 0 end the job TIMED_OUT (wall_time) at once;
+        ranks that do not stop are torn down when the wall time runs out."""
+        self._warned = True
+        for h in self.gang.live():
+            await h.channel.send(Stop(reason="wall_time_warning"))
+        await self.journal.event(self.job, "job.stop_warning", reason="wall_time_warning",
+                                 seconds_left=round(wall_at - now, 3), wall=self.limits.wall)
+
+    # -- teardown --------------------------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        assert self.outcome is not None
+        outcome = self.outcome
+        self.gang.reason = outcome.reason
+        t0 = self.clock.monotonic()
+        await escalate(self.gang, self.clock, float(self.timeouts["kill_grace"]),
+                       graceful=outcome.graceful, hang=outcome.hang)
+        await self.journal.event(self.job, "job.torn_down", seconds=round(self.clock.monotonic() - t0, 3),
+                                 reason=outcome.reason)
