@@ -6,11 +6,11 @@ import subprocess
 from pathlib import Path
 from typing import Any, cast
 
-from ddpd.daemon.jobs import Job, Rank
 from ddpd.daemon.launch import rank_env
 from ddpd.daemon.outcome import bounded
 from ddpd.daemon.procs import Exit
 from ddpd.daemon.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
+from ddpd.daemon.records import Job, Rank
 from ddpd.daemon.rendezvous import Rendezvous
 from ddpd.protocol import JobSpec, JobState
 from ddpd.protocol.channel import Result

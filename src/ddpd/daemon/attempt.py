@@ -35,11 +35,12 @@ from .clock import Clock, RealClock, wait_until
 from .config import Config
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
-from .jobs import Job, Journal, attempt_dir, job_dir, rank_log
+from .journal import Journal
 from .launch import Launcher, make_dirs
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
+from .records import Job, attempt_dir, job_dir, rank_log
 from .rendezvous import RendezvousError, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
 from .teardown import escalate

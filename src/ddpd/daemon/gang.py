@@ -19,8 +19,9 @@ from ..protocol.channel import DumpStacks, Stop
 from . import procs
 from .clock import Clock, wait_until
 from .files import JobFileError, job_file_size, read_job_file
-from .jobs import Job, Journal
+from .journal import Journal
 from .ranks import RankHandle
+from .records import Job
 from .rootcause import StackSite, locate
 from .teardown import UNKILLABLE_WAIT
 

@@ -28,9 +28,9 @@ from . import procs
 from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
-from .jobs import Job, Rank, job_dir
 from .pool import WarmPool, pool_eligible, pool_env
 from .ranks import RankHandle
+from .records import Job, Rank, job_dir
 from .rendezvous import Rendezvous
 
 

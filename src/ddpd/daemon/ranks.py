@@ -29,8 +29,9 @@ from . import procs
 from .channel import WorkerChannel
 from .clock import Clock
 from .deadlines import RankClock
-from .jobs import Job, Journal, Rank
+from .journal import Journal
 from .outcome import Outcome
+from .records import Job, Rank
 
 MAX_STEP = 2**63 - 1  # a step counter SQLite can store
 YIELD_EVERY = 64  # frames read between two checkpoints of the event loop

@@ -21,8 +21,10 @@ import structlog
 
 from ..protocol import JobSpec, JobState
 from ..protocol.control import RootCause
+from ..protocol.worker import marker_entry
 from . import lifecycle
 from .admission import admit, check_key, check_limits
+from .attempt import Attempt, Outcome
 from .config import Config
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
@@ -31,7 +33,6 @@ from .procs import find_members, proc_environ_has
 from .records import Job, job_dir
 from .resources import Resources
 from .retention import Retention
-from .supervisor import Attempt, Outcome
 from .table import JobTable
 
 log = structlog.get_logger("ddpd")
@@ -302,7 +303,7 @@ class Scheduler:
     async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
         killed: list[int] = []
         for token in await self.journal.attempt_tokens(job.id, job.attempt):
-            marker = f"DDPD_ATTEMPT={job.id}:{job.attempt}:{token}".encode()
+            marker = marker_entry(job.id, job.attempt, token)
             killed += await anyio.to_thread.run_sync(_kill_marked, marker)
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
