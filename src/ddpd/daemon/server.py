@@ -1,8 +1,17 @@
-"""The control server: one task per client connection, NDJSON requests, replies and streams."""
+"""The control server: one task per client connection, NDJSON requests, replies and streams.
+
+Nothing a client sends reaches the root task group. A request is bounded before it is parsed
+(MAX_REQUEST bytes, nesting depth, every field typed and ranged), read against an idle and a
+partial-frame deadline, and answered with an error of a stable code naming the problem. A bug met
+while serving one connection is logged as `control.internal_error`, answered `internal`, and
+closes that connection only. At most `max_connections` are served at once.
+"""
 
 from __future__ import annotations
 
+import codecs
 import grp
+import inspect
 import os
 import socket
 import struct
@@ -14,12 +23,13 @@ import anyio
 import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import __version__
-from ..protocol import MAX_FRAME, PROTOCOL_VERSION, Decoder, ErrorCode, FrameError, SpecError, encode
+from ..protocol import MAX_REQUEST, PROTOCOL_VERSION, Decoder, ErrorCode, FrameError, check_spec, encode
 from ..protocol.control import (
+    LIST_LIMIT,
     Cancel,
+    CancelResult,
     DaemonInfo,
     DaemonInfoReq,
     End,
@@ -34,6 +44,7 @@ from ..protocol.control import (
     Ok,
     Ping,
     Reload,
+    Remove,
     Reply,
     Request,
     RequestEnvelope,
@@ -41,17 +52,28 @@ from ..protocol.control import (
     Submit,
     SubmitResult,
     Wait,
+    reply_id,
 )
+from ..protocol.limits import clip_text
+from .config import ConfigError
+from .files import read_job_file
 from .jobs import Job, rank_log
+from .replies import clip_event, fit_view, job_page
+from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
 
 log = structlog.get_logger("ddpd")
 
-_envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope)
-_request: Decoder[Request] = Decoder(Request)
-_OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "ping", "daemon", "reload"}
-LOG_CHUNK = 256 * 1024
+_envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
+_request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
+_OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload"}
+LOG_CHUNK = 128 * 1024  # bytes of a log per item: even escaped 6-fold it stays under the frame limit
 FOLLOW_INTERVAL = 0.2
+EVENT_BATCH = 500
+MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
+# errors raised below the server, by class name (the classes live beside the code that raises them)
+_CODES_BY_NAME = {"SpecError": ErrorCode.BAD_SPEC, "StorageError": ErrorCode.STORAGE_UNAVAILABLE,
+                  "LimitError": ErrorCode.LIMIT_EXCEEDED}
 
 
 class RequestError(Exception):
@@ -59,6 +81,20 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The stable code of an expected failure; None for a bug (answered `internal`)."""
+    if isinstance(exc, RequestError):
+        return exc.code
+    if isinstance(exc, FrameError):
+        return exc.code
+    if isinstance(exc, ConfigError):
+        return ErrorCode.BAD_CONFIG
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _CODES_BY_NAME:
+            return _CODES_BY_NAME[cls.__name__]
+    return None
 
 
 def peer_uid(stream: SocketStream) -> int:
@@ -95,66 +131,100 @@ class ControlServer:
         self.scheduler = scheduler
         self.info = info
         self.reload = reload
+        self.connections = 0
 
     async def handle(self, stream: SocketStream) -> None:
+        """Serve one connection; never raises but cancellation."""
         async with stream:
-            try:
-                uid = peer_uid(stream)
-            except OSError:
+            limit = self.scheduler.config.max_connections
+            if self.connections >= limit:
+                log.warning("control.connection_refused", open=self.connections, max_connections=limit)
+                await self._send(stream, Error(id=None, code=ErrorCode.LIMIT_EXCEEDED,
+                                               message=f"{limit} connections are open (max_connections); "
+                                                       "try again later"), timeout=1.0)
                 return
-            reader = BufferedByteReceiveStream(stream)
-            while True:
-                try:
-                    line = await reader.receive_until(b"\n", MAX_FRAME)
-                except anyio.DelimiterNotFound:
-                    await self._send(stream, Error(id=None, code=ErrorCode.FRAME_TOO_LARGE,
-                                                   message=f"frame exceeds {MAX_FRAME} bytes; closing"))
-                    return
-                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-                if not await self._serve_line(stream, line, uid):
-                    return
+            self.connections += 1
+            try:
+                await self._serve(stream)
+            except Exception:  # a bug: this connection ends, the daemon and the others go on
+                log.exception("control.internal_error")
+            finally:
+                self.connections -= 1
 
-    async def _send(self, stream: SocketStream, reply: Reply) -> bool:
+    async def _serve(self, stream: SocketStream) -> None:
         try:
-            await stream.send(encode(reply))
-            return True
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            return False
-        except FrameError as exc:  # a result too large for one frame
-            return await self._send(stream, Error(id=reply.id, code=ErrorCode.INTERNAL, message=exc.message))
+            uid = peer_uid(stream)
+        except OSError:
+            return
+        reader = FrameReader(stream, MAX_REQUEST)
+        while True:
+            cfg = self.scheduler.config
+            try:
+                line = await reader.next_frame(cfg.idle_timeout, cfg.frame_timeout)
+            except FrameError as exc:
+                await self._send(stream, Error(id=None, code=exc.code, message=exc.message), timeout=1.0)
+                return
+            except ReadTimeout as exc:
+                log.info("control.connection_timeout", uid=uid, partial=exc.partial)
+                await self._send(stream, Error(id=None, code=ErrorCode.TIMEOUT, message=str(exc)), timeout=1.0)
+                return
+            if line is None or not await self._serve_line(stream, line, uid):
+                return
+
+    async def _send(self, stream: SocketStream, reply: Reply, timeout: float | None = None) -> bool:
+        """Send one reply; False when the client is gone or does not read it within the timeout."""
+        try:
+            data = encode(reply)
+        except FrameError as exc:  # a result too large for one frame (replies are bounded: a bug)
+            log.error("control.reply_too_large", error=exc.message)
+            data = encode(Error(id=reply.id, code=ErrorCode.INTERNAL, message=exc.message))
+        with anyio.move_on_after(self.scheduler.config.idle_timeout if timeout is None else timeout):
+            try:
+                await stream.send(data)
+                return True
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return False
+        return False
 
     async def _serve_line(self, stream: SocketStream, line: bytes, uid: int) -> bool:
+        """Answer one request; False closes the connection."""
         if not line.strip():
             return True
         try:
             env = _envelope.decode_frame(line)
         except FrameError as exc:
-            return await self._send(stream, Error(id=None, code=exc.code, message=exc.message))
+            return await self._send(stream, Error(id=None, code=exc.code, message=clip_text(exc.message,
+                                                                                           MESSAGE_LIMIT)))
+        rid = reply_id(env.id)
         if env.op not in _OPS:
-            return await self._send(stream, Error(id=env.id, code=ErrorCode.UNKNOWN_OPERATION,
-                                                  message=f"unknown operation {env.op!r}"))
+            return await self._send(stream, Error(id=rid, code=ErrorCode.UNKNOWN_OPERATION,
+                                                  message=clip_text(f"unknown operation {env.op!r}", MESSAGE_LIMIT)))
         try:
             req = _request.decode_frame(line)
-        except FrameError as exc:
-            return await self._send(stream, Error(id=env.id, code=exc.code, message=exc.message))
-        try:
             async for reply in self._dispatch(req, uid):
                 if not await self._send(stream, reply):
                     return False
-        except RequestError as exc:
-            return await self._send(stream, Error(id=req.id, code=exc.code, message=exc.message))
-        except SpecError as exc:
-            return await self._send(stream, Error(id=req.id, code=ErrorCode.BAD_SPEC, message=str(exc)))
-        except Exception as exc:  # a bug must not take the daemon down with one client
-            log.exception("control.internal_error", op=env.op)
-            return await self._send(stream, Error(id=req.id, code=ErrorCode.INTERNAL, message=repr(exc)))
+        except Exception as exc:
+            code = error_code(exc)
+            if code is None:
+                log.exception("control.internal_error", op=env.op, uid=uid)
+                await self._send(stream, Error(id=rid, code=ErrorCode.INTERNAL,
+                                               message=clip_text(repr(exc), MESSAGE_LIMIT)), timeout=1.0)
+                return False
+            return await self._send(stream, Error(id=rid, code=code, message=clip_text(str(exc), MESSAGE_LIMIT)))
         return True
 
     def _job(self, job_id: str) -> Job:
         job = self.scheduler.jobs.get(job_id)
         if job is None:
             raise RequestError(ErrorCode.NOT_FOUND, f"no job {job_id!r}")
+        return job
+
+    def _owned(self, job_id: str, uid: int, what: str) -> Job:
+        job = self._job(job_id)
+        if uid not in (0, job.owner_uid):
+            raise RequestError(ErrorCode.PERMISSION_DENIED,
+                               f"job {job_id} belongs to uid {job.owner_uid}; only it or root may {what} it")
         return job
 
     async def _dispatch(self, req: Request, uid: int) -> AsyncIterator[Reply]:
@@ -165,44 +235,71 @@ class ControlServer:
                     raise RequestError(ErrorCode.VERSION_MISMATCH,
                                        f"client speaks protocol {version}, daemon {PROTOCOL_VERSION}")
                 yield Ok(id=rid, result={"version": PROTOCOL_VERSION, "daemon": __version__})
-            case Submit(spec=spec):
+            case Submit(spec=spec, idempotency_key=key):
                 if not self.scheduler.accepting:
                     raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                job = await self.scheduler.submit(spec, uid)
-                yield Ok(id=rid, result=SubmitResult(job_id=job.id))
+                job, existing = await self._submit(check_spec(spec), uid, key)
+                yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
-                yield Ok(id=rid, result=self._job(job_id).view())
-            case ListJobs(limit=limit):
-                jobs = sorted(self.scheduler.jobs.values(), key=lambda j: j.seq)[-limit:]
-                yield Ok(id=rid, result=[j.view() for j in jobs])
+                yield Ok(id=rid, result=fit_view(self._job(job_id).view()))
+            case ListJobs(all=all_jobs, limit=limit, before=before):
+                yield Ok(id=rid, result=job_page(self.scheduler.jobs.values(), active_only=not all_jobs,
+                                                 limit=min(limit, LIST_LIMIT), before=before))
             case Cancel(job_id=job_id, force=force):
-                job = self._job(job_id)
-                if uid not in (0, job.owner_uid):
-                    raise RequestError(ErrorCode.PERMISSION_DENIED,
-                                       f"job {job_id} belongs to uid {job.owner_uid}; only it or root may cancel")
-                if job.state.final:
-                    raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job_id} already ended ({job.state.value})")
-                await self.scheduler.cancel(job, f"cancelled by uid {uid}", force)
-                yield Ok(id=rid, result=job.view())
+                yield Ok(id=rid, result=await self._cancel(self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):
                 job = self._job(job_id)
                 await job.finished.wait()
-                yield Ok(id=rid, result=job.view())
+                yield Ok(id=rid, result=fit_view(job.view()))
             case Logs():
                 async for chunk in self._logs(req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)
             case Events():
                 async for event in self._events(req):
-                    yield Item(id=rid, item=event)
+                    yield Item(id=rid, item=clip_event(event))
                 yield End(id=rid)
+            case Remove(job_id=job_id):
+                job = self._owned(job_id, uid, "remove")
+                if not job.state.final:
+                    raise RequestError(ErrorCode.NOT_RUNNABLE,
+                                       f"job {job_id} has not ended ({job.state.value}); cancel it first")
+                remove: Any = getattr(self.scheduler, "remove", None)
+                if remove is None:
+                    raise RequestError(ErrorCode.UNKNOWN_OPERATION, "this daemon cannot remove jobs")
+                await remove(job, uid)
+                yield Ok(id=rid, result=None)
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():
                 yield Ok(id=rid, result=self.info())
             case Reload():
+                if uid not in (0, os.getuid()):
+                    raise RequestError(ErrorCode.PERMISSION_DENIED,
+                                       f"only root or the daemon's user (uid {os.getuid()}) may reload it")
                 await self.reload()
                 yield Ok(id=rid, result=None)
+
+    async def _submit(self, spec: Any, uid: int, key: str | None) -> tuple[Job, bool]:
+        """The scheduler's submit, with the idempotency key where the scheduler takes one."""
+        submit: Any = self.scheduler.submit
+        if "idempotency_key" in inspect.signature(submit).parameters:
+            result = await submit(spec, uid, idempotency_key=key)
+        elif key is not None:
+            raise RequestError(ErrorCode.BAD_MESSAGE, "idempotency_key: not supported by this daemon")
+        else:
+            result = await submit(spec, uid)
+        return result if isinstance(result, tuple) else (result, False)
+
+    async def _cancel(self, job: Job, uid: int, force: bool) -> CancelResult:
+        if job.state.final:
+            raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job.id} already ended ({job.state.value})")
+        if job.cancel_requested is not None and not force:
+            return CancelResult(action="already_stopping", job=fit_view(job.view()))
+        queued = job.state.value == "QUEUED"
+        await self.scheduler.cancel(job, f"cancelled by uid {uid}", force)
+        action = "cancelled" if queued else "killing" if force else "stopping"
+        return CancelResult(action=action, job=fit_view(job.view()))
 
     async def _logs(self, req: Logs) -> AsyncIterator[LogChunk]:
         job = self._job(req.job_id)
@@ -211,35 +308,34 @@ class ControlServer:
             raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {req.rank}")
         ranks = [req.rank] if req.rank is not None else list(range(job.spec.nproc))
         offsets = dict.fromkeys(ranks, 0)
-
-        def read_new() -> list[LogChunk]:
-            out: list[LogChunk] = []
-            for r in ranks:
-                path = rank_log(self.scheduler.config.state_dir, job.id, attempt, r)
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(offsets[r])
-                        data = f.read(LOG_CHUNK)
-                except FileNotFoundError:
-                    continue
-                if data:
-                    offsets[r] += len(data)
-                    out.append(LogChunk(rank=r, attempt=attempt, text=data.decode("utf-8", "replace")))
-            return out
-
+        decoders = {r: codecs.getincrementaldecoder("utf-8")("replace") for r in ranks}
         while True:
             done = job.finished.is_set() or (attempt != job.attempt)
-            chunks = await anyio.to_thread.run_sync(read_new)
-            for chunk in chunks:
-                yield chunk
-            if chunks:
+            got = False
+            for r in list(offsets):
+                path = rank_log(self.scheduler.config.state_dir, job.id, attempt, r)
+                try:
+                    data = await read_job_file(path, offsets[r], LOG_CHUNK)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # a FIFO, a symlink, a hung read: that rank's log is skipped
+                    del offsets[r]
+                    yield LogChunk(rank=r, attempt=attempt, text="",
+                                   error=clip_text(f"rank {r}'s log cannot be read: {exc}", MESSAGE_LIMIT))
+                    continue
+                if data:
+                    got = True
+                    offsets[r] += len(data)
+                    yield LogChunk(rank=r, attempt=attempt, text=decoders[r].decode(data))
+            if got:
                 continue
             if req.follow and req.attempt is None and attempt != job.attempt:
                 # the job started (attempt 0 is the queue) or restarted: follow its new attempt
                 attempt = job.attempt
                 offsets = dict.fromkeys(ranks, 0)
+                decoders = {r: codecs.getincrementaldecoder("utf-8")("replace") for r in ranks}
                 continue
-            if not req.follow or done:
+            if not req.follow or done or not offsets:
                 return
             with anyio.move_on_after(FOLLOW_INTERVAL):
                 await job.finished.wait()
@@ -247,19 +343,24 @@ class ControlServer:
     async def _events(self, req: Events) -> AsyncIterator[EventView]:
         job = self._job(req.job_id) if req.job_id else None
         live = self.scheduler.journal.bus.subscribe() if req.follow else None
+        wanted = None if req.follow else req.limit
         try:
             sql = "SELECT * FROM events WHERE seq > ?"
-            params: tuple[Any, ...] = (req.since,)
             if job is not None:
                 sql += " AND job_id = ?"
-                params += (job.id,)
-            rows = await self.scheduler.journal.db.query(sql + " ORDER BY seq", params)
-            last = req.since
-            for row in rows:
-                last = row["seq"]
-                yield EventView(seq=row["seq"], ts=row["ts"], kind=row["kind"], job_id=row["job_id"],
-                                attempt=row["attempt"], rank=row["rank"],
-                                data=msgspec.json.decode(row["data"]))
+            sql += " ORDER BY seq LIMIT ?"
+            last, sent = req.since, 0
+            while wanted is None or sent < wanted:
+                batch = EVENT_BATCH if wanted is None else min(EVENT_BATCH, wanted - sent)
+                params: tuple[Any, ...] = (last, job.id, batch) if job is not None else (last, batch)
+                rows = await self.scheduler.journal.db.query(sql, params)
+                for row in rows:
+                    last = row["seq"]
+                    sent += 1
+                    yield EventView(seq=row["seq"], ts=row["ts"], kind=row["kind"], job_id=row["job_id"],
+                                    attempt=row["attempt"], rank=row["rank"], data=msgspec.json.decode(row["data"]))
+                if len(rows) < batch:
+                    break
             if live is None or (job is not None and job.finished.is_set()):
                 return
             async with live:
