@@ -9,7 +9,6 @@ closes that connection only. At most `max_connections` are served at once.
 
 from __future__ import annotations
 
-import codecs
 import grp
 import inspect
 import os
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
 
@@ -35,11 +33,9 @@ from ..protocol.control import (
     End,
     Error,
     Events,
-    EventView,
     HelloReq,
     Item,
     ListJobs,
-    LogChunk,
     Logs,
     Ok,
     Ping,
@@ -56,20 +52,17 @@ from ..protocol.control import (
 )
 from ..protocol.limits import clip_text
 from .config import ConfigError
-from .files import read_job_file
-from .jobs import Job, rank_log
+from .jobs import Job
 from .replies import clip_event, fit_view, job_page
 from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
+from .streams import job_events, log_chunks
 
 log = structlog.get_logger("ddpd")
 
 _envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
 _request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
 _OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload"}
-LOG_CHUNK = 128 * 1024  # bytes of a log per item: even escaped 6-fold it stays under the frame limit
-FOLLOW_INTERVAL = 0.2
-EVENT_BATCH = 500
 MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 # errors raised below the server, by class name (the classes live beside the code that raises them)
 _CODES_BY_NAME = {"SpecError": ErrorCode.BAD_SPEC, "StorageError": ErrorCode.STORAGE_UNAVAILABLE,
@@ -251,12 +244,16 @@ class ControlServer:
                 job = self._job(job_id)
                 await job.finished.wait()
                 yield Ok(id=rid, result=fit_view(job.view()))
-            case Logs():
-                async for chunk in self._logs(req):
+            case Logs(job_id=job_id, rank=rank):
+                job = self._job(job_id)
+                if rank is not None and not 0 <= rank < job.spec.nproc:
+                    raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
+                async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)
-            case Events():
-                async for event in self._events(req):
+            case Events(job_id=job_id):
+                job_or_all = self._job(job_id) if job_id else None
+                async for event in job_events(self.scheduler.journal, job_or_all, req):
                     yield Item(id=rid, item=clip_event(event))
                 yield End(id=rid)
             case Remove(job_id=job_id):
@@ -300,78 +297,3 @@ class ControlServer:
         await self.scheduler.cancel(job, f"cancelled by uid {uid}", force)
         action = "cancelled" if queued else "killing" if force else "stopping"
         return CancelResult(action=action, job=fit_view(job.view()))
-
-    async def _logs(self, req: Logs) -> AsyncIterator[LogChunk]:
-        job = self._job(req.job_id)
-        attempt = req.attempt or job.attempt
-        if req.rank is not None and not 0 <= req.rank < job.spec.nproc:
-            raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {req.rank}")
-        ranks = [req.rank] if req.rank is not None else list(range(job.spec.nproc))
-        offsets = dict.fromkeys(ranks, 0)
-        decoders = {r: codecs.getincrementaldecoder("utf-8")("replace") for r in ranks}
-        while True:
-            done = job.finished.is_set() or (attempt != job.attempt)
-            got = False
-            for r in list(offsets):
-                path = rank_log(self.scheduler.config.state_dir, job.id, attempt, r)
-                try:
-                    data = await read_job_file(path, offsets[r], LOG_CHUNK)
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:  # a FIFO, a symlink, a hung read: that rank's log is skipped
-                    del offsets[r]
-                    yield LogChunk(rank=r, attempt=attempt, text="",
-                                   error=clip_text(f"rank {r}'s log cannot be read: {exc}", MESSAGE_LIMIT))
-                    continue
-                if data:
-                    got = True
-                    offsets[r] += len(data)
-                    yield LogChunk(rank=r, attempt=attempt, text=decoders[r].decode(data))
-            if got:
-                continue
-            if req.follow and req.attempt is None and attempt != job.attempt:
-                # the job started (attempt 0 is the queue) or restarted: follow its new attempt
-                attempt = job.attempt
-                offsets = dict.fromkeys(ranks, 0)
-                decoders = {r: codecs.getincrementaldecoder("utf-8")("replace") for r in ranks}
-                continue
-            if not req.follow or done or not offsets:
-                return
-            with anyio.move_on_after(FOLLOW_INTERVAL):
-                await job.finished.wait()
-
-    async def _events(self, req: Events) -> AsyncIterator[EventView]:
-        job = self._job(req.job_id) if req.job_id else None
-        live = self.scheduler.journal.bus.subscribe() if req.follow else None
-        wanted = None if req.follow else req.limit
-        try:
-            sql = "SELECT * FROM events WHERE seq > ?"
-            if job is not None:
-                sql += " AND job_id = ?"
-            sql += " ORDER BY seq LIMIT ?"
-            last, sent = req.since, 0
-            while wanted is None or sent < wanted:
-                batch = EVENT_BATCH if wanted is None else min(EVENT_BATCH, wanted - sent)
-                params: tuple[Any, ...] = (last, job.id, batch) if job is not None else (last, batch)
-                rows = await self.scheduler.journal.db.query(sql, params)
-                for row in rows:
-                    last = row["seq"]
-                    sent += 1
-                    yield EventView(seq=row["seq"], ts=row["ts"], kind=row["kind"], job_id=row["job_id"],
-                                    attempt=row["attempt"], rank=row["rank"], data=msgspec.json.decode(row["data"]))
-                if len(rows) < batch:
-                    break
-            if live is None or (job is not None and job.finished.is_set()):
-                return
-            async with live:
-                async for event in live:
-                    if event.seq and event.seq <= last:
-                        continue
-                    if job is not None and event.job_id != job.id:
-                        continue
-                    yield event
-                    if job is not None and event.kind == "job.finished":
-                        return
-        finally:
-            if live is not None:
-                live.close()
