@@ -44,10 +44,10 @@ def encode(message: Any, limit: int = MAX_FRAME) -> bytes:
 
 
 def nesting_depth(line: bytes, limit: int = MAX_DEPTH) -> int:
-    """How deeply arrays and objects nest in `line` (brackets inside strings do not count).
+    """limit + 1 when arrays and objects nest deeper than `limit` in `line` (brackets inside strings
+    do not count), else a number at most `limit` (0 when there are too few brackets to look).
 
-    The scan stops as soon as `limit` is exceeded and returns limit + 1. It does not validate
-    the JSON: msgspec does that afterwards.
+    It does not validate the JSON: msgspec does that afterwards.
     """
     if line.count(b"[") + line.count(b"{") <= limit:
         return 0  # it cannot nest deeper than it has openers
