@@ -76,7 +76,7 @@ def test_flags_are_checked_too(tmp_path: Path) -> None:
 def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
-    with pytest.raises(ConfigError, match="ddpd.toml"):
+    with pytest.raises(ConfigError, match=r"ddpd\.toml"):
         _load(tmp_path, "cpu_slots = = 3")
 
 
@@ -84,7 +84,7 @@ def test_metrics_token_file_must_be_private(tmp_path: Path) -> None:
     secret = tmp_path / "token"
     secret.write_text("s3cret-token\n")
     secret.chmod(0o644)
-    with pytest.raises(ConfigError, match="metrics_token_file.*chmod 600"):
+    with pytest.raises(ConfigError, match=r"metrics_token_file.*chmod 600"):
         _load(tmp_path, f'metrics_token_file = "{secret}"')
     secret.chmod(0o600)
     assert _load(tmp_path, f'metrics_token_file = "{secret}"').metrics_token == "s3cret-token"

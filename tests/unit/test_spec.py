@@ -89,7 +89,7 @@ def test_a_valid_spec_passes_and_keeps_its_values() -> None:
 
 
 def test_env_tab_is_a_control_character_too() -> None:
-    with pytest.raises(SpecError, match="env.MY_VAR"):
+    with pytest.raises(SpecError, match=r"env\.MY_VAR"):
         check_spec(JobSpec(env={"MY_VAR": "a\tb"}))
 
 
