@@ -47,7 +47,7 @@ async def log_chunks(state_dir: Path, job: Job, req: Logs) -> AsyncIterator[LogC
             except OSError as exc:  # a FIFO, a symlink, a hung read: that rank's log is left out
                 del offsets[r]
                 yield LogChunk(rank=r, attempt=attempt, text="",
-                               error=clip_text(f"rank {r}'s log cannot be read: {exc}", 2000))
+                               error=clip_text(f"rank {r}'s log cannot be read: {exc.strerror or exc}", 2000))
                 continue
             if data:
                 got = True
