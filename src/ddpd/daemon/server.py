@@ -63,6 +63,7 @@ log = structlog.get_logger("ddpd")
 _envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
 _request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
 _OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload"}
+REFUSAL_LOG_INTERVAL = 10.0
 MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 # errors raised below the server, by class name (the classes live beside the code that raises them)
 _CODES_BY_NAME = {"SpecError": ErrorCode.BAD_SPEC, "StorageError": ErrorCode.STORAGE_UNAVAILABLE,
@@ -125,24 +126,36 @@ class ControlServer:
         self.info = info
         self.reload = reload
         self.connections = 0
+        self.refused = 0  # connections refused for max_connections since start
+        self._refusal_logged = float("-inf")
 
     async def handle(self, stream: SocketStream) -> None:
         """Serve one connection; never raises but cancellation."""
-        async with stream:
-            limit = self.scheduler.config.max_connections
-            if self.connections >= limit:
-                log.warning("control.connection_refused", open=self.connections, max_connections=limit)
-                await self._send(stream, Error(id=None, code=ErrorCode.LIMIT_EXCEEDED,
-                                               message=f"{limit} connections are open (max_connections); "
-                                                       "try again later"), timeout=1.0)
-                return
-            self.connections += 1
-            try:
-                await self._serve(stream)
-            except Exception:  # a bug: this connection ends, the daemon and the others go on
-                log.exception("control.internal_error")
-            finally:
-                self.connections -= 1
+        try:
+            async with stream:
+                limit = self.scheduler.config.max_connections
+                if self.connections >= limit:
+                    self._refused(limit)
+                    await self._send(stream, Error(id=None, code=ErrorCode.LIMIT_EXCEEDED,
+                                                   message=f"{limit} connections are open (max_connections); "
+                                                           "try again later"), timeout=1.0)
+                    return
+                self.connections += 1
+                try:
+                    await self._serve(stream)
+                finally:
+                    self.connections -= 1
+        except Exception:  # a bug: this connection ends, the daemon and the others go on
+            log.exception("control.internal_error")
+
+    def _refused(self, limit: int) -> None:
+        """Log refusals at most every REFUSAL_LOG_INTERVAL seconds (a flood must not flood the log)."""
+        self.refused += 1
+        now = anyio.current_time()
+        if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
+            self._refusal_logged = now
+            log.warning("control.connections_refused", open=self.connections, max_connections=limit,
+                        refused=self.refused)
 
     async def _serve(self, stream: SocketStream) -> None:
         try:
