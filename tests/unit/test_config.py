@@ -107,3 +107,19 @@ def test_world_readable_config_with_a_token_warns(tmp_path: Path) -> None:
     with structlog.testing.capture_logs() as logs:
         load_config(path)
     assert logs == []
+
+
+def test_serve_with_a_bad_file_prints_one_line_naming_the_key(tmp_path: Path) -> None:
+    """The bug: `cpu_slots = "16"` made `ddpd serve` die with a bare TypeError."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ddpd.toml"
+    path.write_text('cpu_slots = "16"\n')
+    done = subprocess.run([sys.executable, "-m", "ddpd.daemon", "serve", "--config", str(path), "--socket",
+                           str(tmp_path / "s"), "--state-dir", str(tmp_path / "state")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cpu_slots" in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "state").exists()
