@@ -123,3 +123,10 @@ def test_serve_with_a_bad_file_prints_one_line_naming_the_key(tmp_path: Path) ->
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "cpu_slots" in lines[0] and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "state").exists()
+
+
+def test_a_loaded_config_checks_again(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("tok")
+    secret.chmod(0o600)
+    check_config(_load(tmp_path, f'metrics_listen = "0.0.0.0:9464"\nmetrics_token_file = "{secret}"'))

@@ -253,8 +253,6 @@ def check_config(cfg: Config) -> None:
     if cfg.defaults.kill_grace > cfg.max_kill_grace:
         raise ConfigError(f"defaults.kill_grace: {cfg.defaults.kill_grace:g}s is above max_kill_grace "
                           f"({cfg.max_kill_grace:g}s)")
-    if cfg.metrics_token is not None and cfg.metrics_token_file is not None:
-        raise ConfigError("metrics_token_file: give the token or a token file, not both")
     if cfg.metrics_listen is not None:
         host, _ = parse_listen(cfg.metrics_listen)
         if not is_loopback(host) and not (cfg.metrics_token or cfg.metrics_token_file):
@@ -272,6 +270,8 @@ def _apply(cfg: Config, data: dict[str, Any], where: str) -> Config:
         except ValueError:
             raise ConfigError(f"{where}: socket_mode: {data['socket_mode']!r} is not an octal mode") from None
     typed = _typed(data, where)
+    if isinstance(typed.metrics_token, str) and isinstance(typed.metrics_token_file, str):
+        raise ConfigError(f"{where}: metrics_token_file: give the token or a token file, not both")
     if isinstance(typed.worker_command, list) and not typed.worker_command:
         raise ConfigError(f"{where}: worker_command: must be a non-empty list of strings")
     kw: dict[str, Any] = {}
