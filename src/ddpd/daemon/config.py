@@ -1,17 +1,32 @@
-"""Daemon configuration: built-in defaults, then the TOML file, then command-line flags."""
+"""Daemon configuration: built-in defaults, then the TOML file, then command-line flags.
+
+`Config` is a frozen dataclass (the shape the daemon reads); every value it may hold is typed and
+ranged by the msgspec schema `ConfigSchema`, which checks the file as read and the merged result.
+Any problem is one ConfigError whose message names the key. A metrics token may come from
+`metrics_token_file`, which must be a regular file owned by the daemon's user or root and readable
+by no one else; a config file that holds `metrics_token` itself and is readable by others is
+reported with a warning.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
 import os
+import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from ..protocol.paths import daemon_socket_path, daemon_state_dir
-from .logs import parse_level
+from ..protocol.spec import PRIORITY_LIMIT
+from .logs import parse_level, warn_early
+
+DAY = 86400.0
 
 
 class ConfigError(ValueError):
@@ -48,6 +63,7 @@ class Config:
     log_format: str = "auto"  # auto | json | console
     metrics_listen: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     metrics_token: str | None = None  # bearer token the endpoint requires (mandatory off loopback)
+    metrics_token_file: Path | None = None  # a 0600 file holding the token instead
     # limits (issue: nothing a client or a job sends is unbounded)
     max_queued: int = 10_000  # jobs waiting in the queue, all users together
     max_queued_per_user: int = 1_000
@@ -66,25 +82,146 @@ class Config:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
+# -- the schema: every key's type and range ------------------------------------------------------
+
+_Pos = msgspec.Meta(gt=0)
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Priority = Annotated[int, msgspec.Meta(gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)]
+Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * DAY)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
+
+
+class DefaultsSchema(msgspec.Struct, forbid_unknown_fields=True):
+    join: Timeout = 120.0
+    heartbeat: Timeout = 10.0
+    progress: Timeout = 600.0
+    wall: Timeout | None = None
+    kill_grace: Timeout = 5.0
+    stop_warning: Timeout = 30.0
+
+
+class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Every key of the config file with its type and range (unset keys keep the built-in value)."""
+
+    socket: Text | msgspec.UnsetType = msgspec.UNSET
+    state_dir: Text | msgspec.UnsetType = msgspec.UNSET
+    socket_mode: Annotated[int, msgspec.Meta(ge=0, le=0o777)] | msgspec.UnsetType = msgspec.UNSET
+    socket_group: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | msgspec.UnsetType | None = (
+        msgspec.UNSET)
+    store_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)] | msgspec.UnsetType = msgspec.UNSET
+    port_range: tuple[Port, Port] | msgspec.UnsetType | None = msgspec.UNSET
+    heartbeat_interval: Annotated[float, msgspec.Meta(gt=0, le=60)] | msgspec.UnsetType = msgspec.UNSET
+    cpu_slots: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | msgspec.UnsetType = msgspec.UNSET
+    gpus: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType | None = msgspec.UNSET
+    pool_size: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType = msgspec.UNSET
+    worker_command: Annotated[list[Text], msgspec.Meta(max_length=64)] | msgspec.UnsetType = msgspec.UNSET
+    max_running: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | msgspec.UnsetType = msgspec.UNSET
+    log_level: Literal["debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR"] | (
+        msgspec.UnsetType) = msgspec.UNSET
+    log_format: Literal["auto", "json", "console"] | msgspec.UnsetType = msgspec.UNSET
+    metrics_listen: Annotated[str, msgspec.Meta(min_length=1, max_length=300)] | msgspec.UnsetType | None = (
+        msgspec.UNSET)
+    metrics_token: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | msgspec.UnsetType | None = (
+        msgspec.UNSET)
+    metrics_token_file: Text | msgspec.UnsetType | None = msgspec.UNSET
+    max_queued: Count | msgspec.UnsetType = msgspec.UNSET
+    max_queued_per_user: Count | msgspec.UnsetType = msgspec.UNSET
+    priority_range: tuple[Priority, Priority] | msgspec.UnsetType = msgspec.UNSET
+    max_kill_grace: Annotated[float, msgspec.Meta(gt=0, le=DAY)] | msgspec.UnsetType = msgspec.UNSET
+    retention: Annotated[float, msgspec.Meta(ge=0, le=100 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
+    idle_timeout: Timeout | msgspec.UnsetType = msgspec.UNSET
+    frame_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
+    rank_frames_per_second: Count | msgspec.UnsetType = msgspec.UNSET
+    rank_log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | msgspec.UnsetType = msgspec.UNSET
+    defaults: DefaultsSchema | msgspec.UnsetType = msgspec.UNSET
+
+
 _TOP_KEYS = {f.name for f in dataclasses.fields(Config)} - {"defaults", "config_file"}
-_DEFAULT_KEYS = {f.name for f in dataclasses.fields(Defaults)}
+_PATHS = ("socket", "state_dir", "metrics_token_file")
+_AT = re.compile(r"^(.*?)(?: - at `\$(?:\.(\S+?))?`)?$", re.DOTALL)
+
+
+def _typed(data: dict[str, Any], where: str) -> ConfigSchema:
+    """`data` converted through the schema; a problem is one ConfigError naming the key."""
+    try:
+        return msgspec.convert(data, ConfigSchema)
+    except msgspec.ValidationError as exc:
+        match = _AT.match(str(exc))
+        problem, key = (match.group(1), match.group(2)) if match else (str(exc), None)
+        key = (key or "").replace("[", ".").replace("]", "")
+        if problem.startswith("Object contains unknown field"):
+            unknown = ".".join(filter(None, (key, problem.split("`")[1])))
+            raise ConfigError(f"{where}: unknown key {unknown!r}") from None
+        raise ConfigError(f"{where}: {key or '?'}: {problem[0].lower()}{problem[1:]}") from None
+
+
+def _plain(cfg: Config) -> dict[str, Any]:
+    """The config as the file would spell it (paths as strings, tuples as lists)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if f.name == "config_file":
+            continue
+        if f.name == "defaults":
+            value = dataclasses.asdict(value)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
 
 
 def load_config(path: Path | None, **overrides: Any) -> Config:
-    """Read the TOML file (if any) and apply flag overrides; unknown keys are errors."""
+    """Read the TOML file (if any) and apply flag overrides; unknown keys and bad values are errors."""
     cfg = Config()
     if path is not None:
         try:
+            st = path.stat()
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
-        cfg = _apply(cfg, data, str(path))
+        cfg = _apply(cfg, data, f"config file {path}")
         cfg = dataclasses.replace(cfg, config_file=path)
+        if "metrics_token" in data and st.st_mode & stat.S_IROTH:
+            warn_early("config.secret_readable", config_file=str(path), mode=oct(stat.S_IMODE(st.st_mode)),
+                       hint="the file holds metrics_token and anyone can read it: chmod o-r, "
+                            "or move the token to metrics_token_file (mode 0600)")
     cfg = cfg.with_overrides(**overrides)
     check_config(cfg)
+    if cfg.metrics_token_file is not None:
+        cfg = dataclasses.replace(cfg, metrics_token=read_secret(cfg.metrics_token_file, "metrics_token_file"))
     return cfg
+
+
+def read_secret(path: Path, key: str) -> str:
+    """The text of a secret file, which must be a regular file of the daemon's user (or root), mode 0600."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{key}: {path} is not a regular file")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ConfigError(f"{key}: {path} belongs to uid {st.st_uid}, not to root or the daemon's user")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{key}: {path} has mode {oct(stat.S_IMODE(st.st_mode))}; "
+                              "a secret file must be readable by its owner only (chmod 600)")
+        data = os.read(fd, 4097)
+    finally:
+        os.close(fd)
+    token = data.decode("utf-8", "replace").strip()
+    if not token or len(token) > 4096:
+        raise ConfigError(f"{key}: {path} must hold one token of 1 to 4096 characters")
+    return token
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -106,42 +243,48 @@ def is_loopback(host: str) -> bool:
 
 
 def check_config(cfg: Config) -> None:
-    """Checks across keys, after the file and the flags are merged."""
+    """Every key typed and in range, then the checks across keys (after the file and flags are merged)."""
+    _typed(_plain(cfg), "config")
+    if cfg.port_range is not None and cfg.port_range[0] > cfg.port_range[1]:
+        raise ConfigError(f"port_range: first port {cfg.port_range[0]} is above the last {cfg.port_range[1]}")
+    lo, hi = cfg.priority_range
+    if lo > hi:
+        raise ConfigError(f"priority_range: low end {lo} is above the high end {hi}")
+    if cfg.defaults.kill_grace > cfg.max_kill_grace:
+        raise ConfigError(f"defaults.kill_grace: {cfg.defaults.kill_grace:g}s is above max_kill_grace "
+                          f"({cfg.max_kill_grace:g}s)")
     if cfg.metrics_listen is not None:
         host, _ = parse_listen(cfg.metrics_listen)
-        if not is_loopback(host) and not cfg.metrics_token:
+        if not is_loopback(host) and not (cfg.metrics_token or cfg.metrics_token_file):
             raise ConfigError(f"metrics_listen {cfg.metrics_listen!r} is not loopback: set metrics_token too")
-    if cfg.max_running < 1 or cfg.cpu_slots < 1:
-        raise ConfigError("max_running and cpu_slots must be at least 1")
-    if cfg.log_format not in ("auto", "json", "console"):
-        raise ConfigError(f"log_format {cfg.log_format!r}: use auto, json or console")
     try:
         parse_level(str(cfg.log_level))
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"log_level: {exc}") from None
 
 
 def _apply(cfg: Config, data: dict[str, Any], where: str) -> Config:
+    if isinstance(data.get("socket_mode"), str):  # "0660": an octal mode spelled as text
+        try:
+            data = {**data, "socket_mode": int(data["socket_mode"], 8)}
+        except ValueError:
+            raise ConfigError(f"{where}: socket_mode: {data['socket_mode']!r} is not an octal mode") from None
+    typed = _typed(data, where)
+    if isinstance(typed.metrics_token, str) and isinstance(typed.metrics_token_file, str):
+        raise ConfigError(f"{where}: metrics_token_file: give the token or a token file, not both")
+    if isinstance(typed.worker_command, list) and not typed.worker_command:
+        raise ConfigError(f"{where}: worker_command: must be a non-empty list of strings")
     kw: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "defaults":
-            if not isinstance(value, dict) or set(value) - _DEFAULT_KEYS:
-                raise ConfigError(f"{where}: [defaults] accepts {sorted(_DEFAULT_KEYS)}")
-            kw["defaults"] = dataclasses.replace(cfg.defaults, **value)
-        elif key in _TOP_KEYS:
-            if key in ("socket", "state_dir"):
-                value = Path(value)
-            elif key == "port_range":
-                if not (isinstance(value, list) and len(value) == 2 and 0 < value[0] <= value[1] < 65536):
-                    raise ConfigError(f"{where}: port_range must be [first, last] within 1..65535")
-                value = (int(value[0]), int(value[1]))
-            elif key == "worker_command":
-                if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
-                    raise ConfigError(f"{where}: worker_command must be a non-empty list of strings")
-                value = tuple(value)
-            elif key == "socket_mode" and isinstance(value, str):
-                value = int(value, 8)
-            kw[key] = value
-        else:
-            raise ConfigError(f"{where}: unknown key {key!r}")
+    for key in _TOP_KEYS:
+        value = getattr(typed, key)
+        if value is msgspec.UNSET:
+            continue
+        if key in _PATHS and value is not None:
+            value = Path(value)
+        elif isinstance(value, list | tuple):
+            value = tuple(value)
+        kw[key] = value
+    if isinstance(typed.defaults, DefaultsSchema):
+        given = data.get("defaults") or {}
+        kw["defaults"] = dataclasses.replace(cfg.defaults, **{k: getattr(typed.defaults, k) for k in given})
     return dataclasses.replace(cfg, **kw)

@@ -36,7 +36,26 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=False,
     )
+    _flush_early()
 
 
 def set_level(level: str) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(parse_level(level)))
+
+
+_early: list[tuple[str, dict[str, Any]]] = []
+
+
+def warn_early(event: str, **fields: Any) -> None:
+    """A warning that may come before logging is configured (while the config is read at start):
+    logged at once when it is, else kept until `configure_logging`."""
+    if structlog.is_configured():
+        structlog.get_logger("ddpd").warning(event, **fields)
+    else:
+        _early.append((event, fields))
+
+
+def _flush_early() -> None:
+    while _early:
+        event, fields = _early.pop(0)
+        structlog.get_logger("ddpd").warning(event, **fields)

@@ -1,4 +1,11 @@
-"""The control server: one task per client connection, NDJSON requests, replies and streams."""
+"""The control server: one task per client connection, NDJSON requests, replies and streams.
+
+Nothing a client sends reaches the root task group. A request is bounded before it is parsed
+(MAX_REQUEST bytes, nesting depth, every field typed and ranged), read against an idle and a
+partial-frame deadline, and answered with an error of a stable code naming the problem. A bug met
+while serving one connection is logged as `control.internal_error`, answered `internal`, and
+closes that connection only. At most `max_connections` are served at once.
+"""
 
 from __future__ import annotations
 
@@ -12,26 +19,26 @@ from pathlib import Path
 import anyio
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .. import __version__
-from ..protocol import MAX_FRAME, PROTOCOL_VERSION, Decoder, ErrorCode, FrameError, SpecError, encode
+from ..protocol import MAX_REQUEST, PROTOCOL_VERSION, Decoder, ErrorCode, FrameError, SpecError, check_spec, encode
 from ..protocol.control import (
+    LIST_LIMIT,
     Cancel,
+    CancelResult,
     DaemonInfo,
     DaemonInfoReq,
     End,
     Error,
     Events,
-    EventView,
     HelloReq,
     Item,
     ListJobs,
-    LogChunk,
     Logs,
     Ok,
     Ping,
     Reload,
+    Remove,
     Reply,
     Request,
     RequestEnvelope,
@@ -39,18 +46,24 @@ from ..protocol.control import (
     Submit,
     SubmitResult,
     Wait,
+    reply_id,
 )
+from ..protocol.limits import clip_text
+from .config import ConfigError
 from .errors import DaemonError
-from .jobs import Job, rank_log
+from .records import Job
+from .replies import clip_event, fit_view, job_page
+from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
+from .streams import job_events, log_chunks
 
 log = structlog.get_logger("ddpd")
 
-_envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope)
-_request: Decoder[Request] = Decoder(Request)
-_OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "ping", "daemon", "reload"}
-LOG_CHUNK = 256 * 1024
-FOLLOW_INTERVAL = 0.2
+_envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
+_request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
+_OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload"}
+REFUSAL_LOG_INTERVAL = 10.0
+MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 
 
 class RequestError(Exception):
@@ -58,6 +71,21 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The stable code of an expected failure; None for a bug (answered `internal`)."""
+    if isinstance(exc, RequestError):
+        return exc.code
+    if isinstance(exc, FrameError):
+        return exc.code
+    if isinstance(exc, ConfigError):
+        return ErrorCode.BAD_CONFIG
+    if isinstance(exc, SpecError):
+        return ErrorCode.BAD_SPEC
+    if isinstance(exc, DaemonError):  # storage, limits, permissions, states: raised below the server
+        return exc.code
+    return None
 
 
 def peer_uid(stream: SocketStream) -> int:
@@ -94,68 +122,112 @@ class ControlServer:
         self.scheduler = scheduler
         self.info = info
         self.reload = reload
+        self.connections = 0
+        self.refused = 0  # connections refused for max_connections since start
+        self._refusal_logged = float("-inf")
 
     async def handle(self, stream: SocketStream) -> None:
-        async with stream:
-            try:
-                uid = peer_uid(stream)
-            except OSError:
-                return
-            reader = BufferedByteReceiveStream(stream)
-            while True:
-                try:
-                    line = await reader.receive_until(b"\n", MAX_FRAME)
-                except anyio.DelimiterNotFound:
-                    await self._send(stream, Error(id=None, code=ErrorCode.FRAME_TOO_LARGE,
-                                                   message=f"frame exceeds {MAX_FRAME} bytes; closing"))
-                    return
-                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-                if not await self._serve_line(stream, line, uid):
-                    return
-
-    async def _send(self, stream: SocketStream, reply: Reply) -> bool:
+        """Serve one connection; never raises but cancellation."""
         try:
-            await stream.send(encode(reply))
-            return True
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            return False
-        except FrameError as exc:  # a result too large for one frame
-            return await self._send(stream, Error(id=reply.id, code=ErrorCode.INTERNAL, message=exc.message))
+            async with stream:
+                limit = self.scheduler.config.max_connections
+                if self.connections >= limit:
+                    self._refused(limit)
+                    await self._send(stream, Error(id=None, code=ErrorCode.LIMIT_EXCEEDED,
+                                                   message=f"{limit} connections are open (max_connections); "
+                                                           "try again later"), timeout=1.0)
+                    return
+                self.connections += 1
+                try:
+                    await self._serve(stream)
+                finally:
+                    self.connections -= 1
+        except Exception:  # a bug: this connection ends, the daemon and the others go on
+            log.exception("control.internal_error")
+
+    def _refused(self, limit: int) -> None:
+        """Log refusals at most every REFUSAL_LOG_INTERVAL seconds (a flood must not flood the log)."""
+        self.refused += 1
+        now = anyio.current_time()
+        if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
+            self._refusal_logged = now
+            log.warning("control.connections_refused", open=self.connections, max_connections=limit,
+                        refused=self.refused)
+
+    async def _serve(self, stream: SocketStream) -> None:
+        try:
+            uid = peer_uid(stream)
+        except OSError:
+            return
+        reader = FrameReader(stream, MAX_REQUEST)
+        while True:
+            cfg = self.scheduler.config
+            try:
+                line = await reader.next_frame(cfg.idle_timeout, cfg.frame_timeout)
+            except FrameError as exc:
+                await self._send(stream, Error(id=None, code=exc.code, message=exc.message), timeout=1.0)
+                return
+            except ReadTimeout as exc:
+                log.info("control.connection_timeout", uid=uid, partial=exc.partial)
+                await self._send(stream, Error(id=None, code=ErrorCode.TIMEOUT, message=str(exc)), timeout=1.0)
+                return
+            if line is None or not await self._serve_line(stream, line, uid):
+                return
+
+    async def _send(self, stream: SocketStream, reply: Reply, timeout: float | None = None) -> bool:
+        """Send one reply; False when the client is gone or does not read it within the timeout."""
+        try:
+            data = encode(reply)
+        except FrameError as exc:  # a result too large for one frame (replies are bounded: a bug)
+            log.error("control.reply_too_large", error=exc.message)
+            data = encode(Error(id=reply.id, code=ErrorCode.INTERNAL, message=exc.message))
+        with anyio.move_on_after(self.scheduler.config.idle_timeout if timeout is None else timeout):
+            try:
+                await stream.send(data)
+                return True
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return False
+        return False
 
     async def _serve_line(self, stream: SocketStream, line: bytes, uid: int) -> bool:
+        """Answer one request; False closes the connection."""
         if not line.strip():
             return True
         try:
             env = _envelope.decode_frame(line)
         except FrameError as exc:
-            return await self._send(stream, Error(id=None, code=exc.code, message=exc.message))
+            return await self._send(stream, Error(id=None, code=exc.code, message=clip_text(exc.message,
+                                                                                           MESSAGE_LIMIT)))
+        rid = reply_id(env.id)
         if env.op not in _OPS:
-            return await self._send(stream, Error(id=env.id, code=ErrorCode.UNKNOWN_OPERATION,
-                                                  message=f"unknown operation {env.op!r}"))
+            return await self._send(stream, Error(id=rid, code=ErrorCode.UNKNOWN_OPERATION,
+                                                  message=clip_text(f"unknown operation {env.op!r}", MESSAGE_LIMIT)))
         try:
             req = _request.decode_frame(line)
-        except FrameError as exc:
-            return await self._send(stream, Error(id=env.id, code=exc.code, message=exc.message))
-        try:
             async for reply in self._dispatch(req, uid):
                 if not await self._send(stream, reply):
                     return False
-        except RequestError as exc:
-            return await self._send(stream, Error(id=req.id, code=exc.code, message=exc.message))
-        except SpecError as exc:
-            return await self._send(stream, Error(id=req.id, code=ErrorCode.BAD_SPEC, message=str(exc)))
-        except DaemonError as exc:
-            return await self._send(stream, Error(id=req.id, code=exc.code, message=exc.message))
-        except Exception as exc:  # a bug must not take the daemon down with one client
-            log.exception("control.internal_error", op=env.op)
-            return await self._send(stream, Error(id=req.id, code=ErrorCode.INTERNAL, message=repr(exc)))
+        except Exception as exc:
+            code = error_code(exc)
+            if code is None:
+                log.exception("control.internal_error", op=env.op, uid=uid)
+                await self._send(stream, Error(id=rid, code=ErrorCode.INTERNAL,
+                                               message=clip_text(repr(exc), MESSAGE_LIMIT)), timeout=1.0)
+                return False
+            return await self._send(stream, Error(id=rid, code=code, message=clip_text(str(exc), MESSAGE_LIMIT)))
         return True
 
-    def _job(self, job_id: str) -> Job:
-        job = self.scheduler.jobs.get(job_id)
+    async def _job(self, job_id: str) -> Job:
+        job = await self.scheduler.lookup(job_id)
         if job is None:
             raise RequestError(ErrorCode.NOT_FOUND, f"no job {job_id!r}")
+        return job
+
+    async def _owned(self, job_id: str, uid: int, what: str) -> Job:
+        job = await self._job(job_id)
+        if uid not in (0, job.owner_uid):
+            raise RequestError(ErrorCode.PERMISSION_DENIED,
+                               f"job {job_id} belongs to uid {job.owner_uid}; only it or root may {what} it")
         return job
 
     async def _dispatch(self, req: Request, uid: int) -> AsyncIterator[Reply]:
@@ -166,105 +238,56 @@ class ControlServer:
                     raise RequestError(ErrorCode.VERSION_MISMATCH,
                                        f"client speaks protocol {version}, daemon {PROTOCOL_VERSION}")
                 yield Ok(id=rid, result={"version": PROTOCOL_VERSION, "daemon": __version__})
-            case Submit(spec=spec):
+            case Submit(spec=spec, idempotency_key=key):
                 if not self.scheduler.accepting:
                     raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                job, existing = await self.scheduler.submit(spec, uid, req.idempotency_key)
+                job, existing = await self.scheduler.submit(check_spec(spec), uid, idempotency_key=key)
                 yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
-                yield Ok(id=rid, result=self._job(job_id).view())
-            case ListJobs(limit=limit):
-                jobs = sorted(self.scheduler.jobs.values(), key=lambda j: j.seq)[-limit:]
-                yield Ok(id=rid, result=[j.view() for j in jobs])
+                yield Ok(id=rid, result=fit_view((await self._job(job_id)).view()))
+            case ListJobs(all=all_jobs, limit=limit, before=before):
+                limit = min(limit, LIST_LIMIT)
+                jobs = await self.scheduler.page(limit + 1, before, active=not all_jobs)
+                yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before))
             case Cancel(job_id=job_id, force=force):
-                job = self._job(job_id)
-                if uid not in (0, job.owner_uid):
-                    raise RequestError(ErrorCode.PERMISSION_DENIED,
-                                       f"job {job_id} belongs to uid {job.owner_uid}; only it or root may cancel")
-                if job.state.final:
-                    raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job_id} already ended ({job.state.value})")
-                await self.scheduler.cancel(job, f"cancelled by uid {uid}", force)
-                yield Ok(id=rid, result=job.view())
+                yield Ok(id=rid, result=await self._cancel(await self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):
-                job = self._job(job_id)
+                job = await self._job(job_id)
                 await job.finished.wait()
-                yield Ok(id=rid, result=job.view())
-            case Logs():
-                async for chunk in self._logs(req):
+                yield Ok(id=rid, result=fit_view(job.view()))
+            case Logs(job_id=job_id, rank=rank):
+                job = await self._job(job_id)
+                if rank is not None and not 0 <= rank < job.spec.nproc:
+                    raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
+                async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)
-            case Events():
-                async for event in self._events(req):
-                    yield Item(id=rid, item=event)
+            case Events(job_id=job_id):
+                job_or_all = (await self._job(job_id)) if job_id else None
+                async for event in job_events(self.scheduler.journal, job_or_all, req):
+                    yield Item(id=rid, item=clip_event(event))
                 yield End(id=rid)
+            case Remove(job_id=job_id):
+                job = await self._owned(job_id, uid, "remove")
+                await self.scheduler.remove(job, uid)
+                yield Ok(id=rid, result=None)
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():
                 yield Ok(id=rid, result=self.info())
             case Reload():
+                if uid not in (0, os.getuid()):
+                    raise RequestError(ErrorCode.PERMISSION_DENIED,
+                                       f"only root or the daemon's user (uid {os.getuid()}) may reload it")
                 await self.reload()
                 yield Ok(id=rid, result=None)
 
-    async def _logs(self, req: Logs) -> AsyncIterator[LogChunk]:
-        job = self._job(req.job_id)
-        attempt = req.attempt or job.attempt
-        if req.rank is not None and not 0 <= req.rank < job.spec.nproc:
-            raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {req.rank}")
-        ranks = [req.rank] if req.rank is not None else list(range(job.spec.nproc))
-        offsets = dict.fromkeys(ranks, 0)
-
-        def read_new() -> list[LogChunk]:
-            out: list[LogChunk] = []
-            for r in ranks:
-                path = rank_log(self.scheduler.config.state_dir, job.id, attempt, r)
-                try:
-                    with open(path, "rb") as f:
-                        f.seek(offsets[r])
-                        data = f.read(LOG_CHUNK)
-                except FileNotFoundError:
-                    continue
-                if data:
-                    offsets[r] += len(data)
-                    out.append(LogChunk(rank=r, attempt=attempt, text=data.decode("utf-8", "replace")))
-            return out
-
-        while True:
-            done = job.finished.is_set() or (attempt != job.attempt)
-            chunks = await anyio.to_thread.run_sync(read_new)
-            for chunk in chunks:
-                yield chunk
-            if chunks:
-                continue
-            if req.follow and req.attempt is None and attempt != job.attempt:
-                # the job started (attempt 0 is the queue) or restarted: follow its new attempt
-                attempt = job.attempt
-                offsets = dict.fromkeys(ranks, 0)
-                continue
-            if not req.follow or done:
-                return
-            with anyio.move_on_after(FOLLOW_INTERVAL):
-                await job.finished.wait()
-
-    async def _events(self, req: Events) -> AsyncIterator[EventView]:
-        job = self._job(req.job_id) if req.job_id else None
-        live = self.scheduler.journal.bus.subscribe() if req.follow else None
-        try:
-            last = req.since
-            for event in await self.scheduler.journal.list_events(None if job is None else job.id, req.since,
-                                                                  2**62):
-                last = event.seq
-                yield event
-            if live is None or (job is not None and job.finished.is_set()):
-                return
-            async with live:
-                async for event in live:
-                    if event.seq and event.seq <= last:
-                        continue
-                    if job is not None and event.job_id != job.id:
-                        continue
-                    yield event
-                    if job is not None and event.kind == "job.finished":
-                        return
-        finally:
-            if live is not None:
-                live.close()
+    async def _cancel(self, job: Job, uid: int, force: bool) -> CancelResult:
+        if job.state.final:
+            raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job.id} already ended ({job.state.value})")
+        if job.cancel_requested is not None and not force:
+            return CancelResult(action="already_stopping", job=fit_view(job.view()))
+        queued = job.state.value == "QUEUED"
+        await self.scheduler.cancel(job, f"cancelled by uid {uid}", force)
+        action = "cancelled" if queued else "killing" if force else "stopping"
+        return CancelResult(action=action, job=fit_view(job.view()))

@@ -6,14 +6,19 @@ This package imports nothing else of ddpd; the daemon, the worker and the client
 from __future__ import annotations
 
 from .errors import ErrorCode, RemoteError
-from .framing import MAX_FRAME, PROTOCOL_VERSION, Decoder, FrameError, LineSplitter, encode
+from .framing import MAX_DEPTH, MAX_FRAME, MAX_REQUEST, PROTOCOL_VERSION, Decoder, FrameError, LineSplitter, encode
 from .spec import BUILTIN_TASKS, JobSpec, SpecError, Timeouts, check_spec
 from .states import JobState, RankState, TransitionError, check_job_transition, check_rank_transition
+from .worker import RESERVED_ENV, RESERVED_ENV_PREFIXES
 
 __all__ = [
     "BUILTIN_TASKS",
+    "MAX_DEPTH",
     "MAX_FRAME",
+    "MAX_REQUEST",
     "PROTOCOL_VERSION",
+    "RESERVED_ENV",
+    "RESERVED_ENV_PREFIXES",
     "Decoder",
     "ErrorCode",
     "FrameError",

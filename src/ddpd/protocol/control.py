@@ -1,66 +1,83 @@
-"""Requests and replies on the control socket (ddpctl <-> ddpd)."""
+"""Requests and replies on the control socket (ddpctl <-> ddpd).
+
+Every field of a request is bounded by its type (ids and counters within int64 or tighter, strings
+capped), so a decoded request is safe to act on; replies are built by the daemon and kept under the
+frame limit by it (pages of `list`, clipped texts).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-from .spec import JobSpec
+from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
+
+LIST_LIMIT = 500  # jobs in one page of `list` at most (a page also ends before the frame limit)
+EVENTS_LIMIT = 100_000  # events one non-following `events` request may ask for
+
+RequestId = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+IdempotencyKey = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 
 
 class _Req(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
-    id: int
+    id: RequestId
 
 
 class HelloReq(_Req, tag="hello"):
-    version: int
+    version: Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 
 
 class Submit(_Req, tag="submit"):
     spec: JobSpec
     # a retried submit with the same key (same owner) returns the job it created, never a second one
-    idempotency_key: str | None = None
+    idempotency_key: IdempotencyKey | None = None
 
 
 class Status(_Req, tag="status"):
-    job_id: str
+    job_id: JobId
 
 
 class ListJobs(_Req, tag="list"):
     """One page of jobs, newest first: `before` (a job's seq) continues where JobPage.next left off."""
 
     all: bool = True  # False: only jobs not yet ended (queued, starting, running, restarting)
-    limit: int = 200
-    before: int | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)] = 200  # the daemon serves at most LIST_LIMIT
+    before: Seq | None = None
 
 
 class Cancel(_Req, tag="cancel"):
-    job_id: str
+    job_id: JobId
     force: bool = False
 
 
 class Wait(_Req, tag="wait"):
-    job_id: str
+    job_id: JobId
 
 
 class Logs(_Req, tag="logs"):
-    job_id: str
-    rank: int | None = None
-    attempt: int | None = None
+    job_id: JobId
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)] | None = None
+    attempt: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None = None
     follow: bool = False
 
 
 class Events(_Req, tag="events"):
-    job_id: str | None = None
+    """Events after seq `since`, oldest first: at most `limit` of them (None: all), then End; with
+    `follow`, the stream goes on with live events (and ignores `limit`)."""
+
+    job_id: JobId | None = None
     follow: bool = False
-    since: int = 0
+    since: Seq = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=EVENTS_LIMIT)] | None = None
 
 
 class Remove(_Req, tag="rm"):
     """Forget an ended job: its row, events, logs and checkpoints."""
 
-    job_id: str
+    job_id: JobId
 
 
 class Ping(_Req, tag="ping"):
@@ -82,8 +99,15 @@ Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events
 class RequestEnvelope(msgspec.Struct):
     """Only the id and op of a request: read first so a bad request still gets a reply with its id."""
 
-    id: int | None = None
+    id: Any = None  # echoed in the reply only when it is an int64 (see `reply_id`)
     op: str | None = None
+
+
+def reply_id(value: Any) -> int | None:
+    """The id to echo in a reply: the request's, when it is an int64 (a bool is not)."""
+    if isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX:
+        return value
+    return None
 
 
 class _Rep(msgspec.Struct, tag_field="type", omit_defaults=True):
@@ -171,10 +195,14 @@ class EventView(msgspec.Struct, omit_defaults=True):
     data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class LogChunk(msgspec.Struct):
+class LogChunk(msgspec.Struct, omit_defaults=True):
+    """Text of a rank's log; `error` (text empty) says why that rank's log cannot be read, and the
+    stream carries on without it."""
+
     rank: int
     attempt: int
     text: str
+    error: str | None = None
 
 
 class SubmitResult(msgspec.Struct):
@@ -191,7 +219,8 @@ class JobPage(msgspec.Struct):
 
 class CancelResult(msgspec.Struct):
     """What a cancel did: `action` is "cancelled" (a queued job, now CANCELLED), "stopping" (ranks asked
-    to stop at a step boundary, then torn down) or "killing" (force: SIGKILL now)."""
+    to stop at a step boundary, then torn down), "killing" (force: SIGKILL now), or
+    "already_stopping" (a cancel without force of a job already being stopped)."""
 
     action: str
     job: JobView

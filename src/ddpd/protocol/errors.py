@@ -18,6 +18,8 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"
     LIMIT_EXCEEDED = "limit_exceeded"  # a queue, connection or size limit of the daemon
     STORAGE_UNAVAILABLE = "storage_unavailable"  # the state database cannot be written: no new work
+    BAD_CONFIG = "bad_config"  # a reload found a bad config file; the running config stays
+    TIMEOUT = "timeout"  # a connection idle, or a request frame incomplete, for too long
     INTERNAL = "internal"
 
 

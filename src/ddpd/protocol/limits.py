@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 TEXT_LIMIT = 8 * 1024  # a stored or shown message, detail or traceback (the whole text stays in the rank log)
 
 
@@ -17,3 +19,14 @@ def clip_text(text: str, limit: int = TEXT_LIMIT) -> str:
     head, tail = keep // 2, keep - keep // 2
     cut = len(text) - head - tail
     return text[:head] + note.format(cut) + (text[-tail:] if tail else "")
+
+
+def clip_value(value: Any, limit: int = TEXT_LIMIT) -> Any:
+    """`value` with every string in it (in lists and maps, recursively) clipped to `limit`."""
+    if isinstance(value, str):
+        return clip_text(value, limit)
+    if isinstance(value, dict):
+        return {k: clip_value(v, limit) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clip_value(v, limit) for v in value]
+    return value

@@ -1,17 +1,45 @@
-"""The job spec: what a user submits, validated at the door with messages that name the field."""
+"""The job spec: what a user submits, bounded and validated at the door with messages that name the field.
+
+The types carry the static bounds (every integer within int64 or a tighter range, lengths of
+strings, lists and maps); `check_spec` adds what types cannot say: cross-field rules, control
+characters, reserved environment variables and finite numbers. Bounds that depend on the
+daemon's configuration (the priority band, the largest kill grace, the machine's slots) are
+checked by the daemon.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Literal
 
 import msgspec
 
+from .worker import is_reserved_env
+
 BUILTIN_TASKS = frozenset({"two-layer", "mlp"})
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+PRIORITY_LIMIT = 2**31  # |priority| below this; the daemon's configured band is narrower
+MAX_NPROC = 1024  # ranks of one job: more than one machine could ever run
+MAX_NAME = 200
+MAX_TASK = 200
+MAX_PATH = 4096  # workdir and each script argument
+MAX_ARGS = 256  # script path (or module) and its arguments
+MAX_ENV = 256
+MAX_ENV_KEY = 128
+MAX_ENV_VALUE = 16 * 1024
+MAX_OPTIONS = 64
+MAX_OPTION_KEY = 64
+MAX_OPTION_TEXT = 4096
+
+
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
+OptionValue = Annotated[str, msgspec.Meta(max_length=MAX_OPTION_TEXT)] | Int64 | float | bool
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -28,23 +56,27 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """A job as submitted. Exactly one of `task` and `script` says what each rank runs."""
 
-    name: Annotated[str, msgspec.Meta(max_length=200)] = ""
-    task: str | None = None
-    script: list[str] | None = None
+    name: Annotated[str, msgspec.Meta(max_length=MAX_NAME)] = ""
+    task: Annotated[str, msgspec.Meta(max_length=MAX_TASK)] | None = None
+    script: Annotated[list[Annotated[str, msgspec.Meta(max_length=MAX_PATH)]],
+                      msgspec.Meta(max_length=MAX_ARGS)] | None = None
     module: bool = False
-    nproc: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    nproc: Annotated[int, msgspec.Meta(ge=1, le=MAX_NPROC)] = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpus_per_rank: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     steps: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 20
-    seed: int = 0
+    seed: Int64 = 0
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
-    env: dict[str, str] = msgspec.field(default_factory=dict)
-    workdir: str | None = None
+    env: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_ENV_KEY)],
+                        Annotated[str, msgspec.Meta(max_length=MAX_ENV_VALUE)]],
+                   msgspec.Meta(max_length=MAX_ENV)] = msgspec.field(default_factory=dict)
+    workdir: Annotated[str, msgspec.Meta(max_length=MAX_PATH)] | None = None
     max_restarts: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
-    checkpoint_every: Annotated[int, msgspec.Meta(ge=0)] = 0
-    priority: int = 0
-    options: dict[str, str | int | float | bool] = msgspec.field(default_factory=dict)
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 0
+    priority: Annotated[int, msgspec.Meta(gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)] = 0
+    options: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_OPTION_KEY)], OptionValue],
+                       msgspec.Meta(max_length=MAX_OPTIONS)] = msgspec.field(default_factory=dict)
 
 
 class SpecError(ValueError):
@@ -55,8 +87,23 @@ class SpecError(ValueError):
         self.field = field
 
 
+# set by the daemon for every rank (rank, rendezvous, marker and device variables): a spec cannot
+# override them; the names are part of the worker contract
+reserved_env = is_reserved_env
+
+
+def check_text(field: str, value: str, limit: int) -> None:
+    """Refuse control characters (NUL included) and text longer than `limit`, naming the field."""
+    if len(value) > limit:
+        raise SpecError(field, f"longer than {limit} characters")
+    bad = _CONTROL.search(value)
+    if bad is not None:
+        raise SpecError(field, f"contains the control character {bad.group()!r} at position {bad.start()}")
+
+
 def check_spec(spec: JobSpec) -> JobSpec:
     """Cross-field checks that types alone cannot express. Returns the spec with `task` filled in."""
+    _check_texts(spec)
     if spec.task is not None and spec.script is not None:
         raise SpecError("task", "give either a task or a script, not both")
     if spec.script is not None:
@@ -77,6 +124,37 @@ def check_spec(spec: JobSpec) -> JobSpec:
     for key in spec.env:
         if not _ENV_NAME.match(key):
             raise SpecError(f"env.{key}", "not a valid environment variable name")
+        if reserved_env(key):
+            raise SpecError(f"env.{key}", "is set by the daemon for every rank and cannot be overridden")
     if spec.workdir is not None and not spec.workdir.startswith("/"):
         raise SpecError("workdir", f"must be an absolute path, got {spec.workdir!r}")
     return spec
+
+
+def _check_texts(spec: JobSpec) -> None:
+    """Lengths and characters of every string a user gave (types bound them too, when decoded)."""
+    check_text("name", spec.name, MAX_NAME)
+    if spec.task is not None:
+        check_text("task", spec.task, MAX_TASK)
+    if spec.script is not None:
+        if len(spec.script) > MAX_ARGS:
+            raise SpecError("script", f"more than {MAX_ARGS} items")
+        for i, arg in enumerate(spec.script):
+            check_text(f"script[{i}]", arg, MAX_PATH)
+    if spec.workdir is not None:
+        check_text("workdir", spec.workdir, MAX_PATH)
+    if len(spec.env) > MAX_ENV:
+        raise SpecError("env", f"more than {MAX_ENV} variables")
+    for key, value in spec.env.items():
+        check_text(f"env.{key[:MAX_ENV_KEY]!r}", key, MAX_ENV_KEY)
+        check_text(f"env.{key}", value, MAX_ENV_VALUE)
+    if len(spec.options) > MAX_OPTIONS:
+        raise SpecError("options", f"more than {MAX_OPTIONS} options")
+    for key, option in spec.options.items():
+        check_text(f"options.{key[:MAX_OPTION_KEY]!r}", key, MAX_OPTION_KEY)
+        if isinstance(option, str):
+            check_text(f"options.{key}", option, MAX_OPTION_TEXT)
+        elif isinstance(option, float) and not math.isfinite(option):
+            raise SpecError(f"options.{key}", f"must be a finite number, got {option}")
+        elif isinstance(option, int) and not isinstance(option, bool) and not INT64_MIN <= option <= INT64_MAX:
+            raise SpecError(f"options.{key}", "out of the 64-bit integer range")
