@@ -185,6 +185,19 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
+async def bench_loop(ctx: Any) -> None:
+    """The suite's entry (``BENCHES["loop"]``): the default comparison, recorded per launcher."""
+    from benchmarks.common import DDPD, TORCHRUN_NAME
+
+    result = await compare(parse_args([]))
+    metric = ctx.results.metric("loop.steps", "loop", f"loop steps/s ({result['model']}, 2 ranks, CPU)", "steps/s",
+                                higher_is_better=True)
+    for row in result["rounds"]:
+        metric.add(DDPD, row["ddpd"])
+        metric.add(TORCHRUN_NAME, row["torchrun"])
+    metric.notes.append(summary(result))
+
+
 def summary(result: dict[str, Any]) -> str:
     return (f"loop, {result['model']}, {result['nproc']} rank(s) on {result['device']}: ddpd/torchrun steps/s "
             f"{result['ratio_median']:.3f}x [{result['ratio_min']:.3f}-{result['ratio_max']:.3f}] over "
