@@ -4,16 +4,18 @@
     python -m benchmarks.loop --rounds 5 --steps 5000
     python -m benchmarks.loop --device cuda --nproc 1 --layers 4 --width 1024 --batch 64   (the mlp task)
 
-Each round runs the same model, data and optimizer twice, side by side in time (the order
-alternates between rounds): as ddpd's built-in ``mlp`` task on a fresh daemon, and as a bare
-DDP loop (this file with ``--bare``) under torchrun, with one intra-op thread per rank on both
-sides. Both sides take their clock at the same points inside rank 0: at the start of step
-``warmup + 1`` and at the start of the last step (with a CUDA synchronisation at both points on
-a GPU), so start-up, imports and the rendezvous are left out and only the steady loop is timed.
-The bare loop reads no loss and sends nothing: the stricter reference.
+Each round runs the same model, data and optimizer three times, one after the other (the order
+reverses between rounds): as ddpd's built-in ``mlp`` task on a fresh daemon, as a bare DDP loop
+(this file with ``--bare``) under torchrun, and as that same bare loop, an unmodified script,
+under the same daemon; one intra-op thread per rank everywhere, and torchrun in a session of its
+own as the daemon's ranks are. All sides take their clock at the same points inside rank 0: at
+the start of step ``warmup + 1`` and at the start of the last step (with a CUDA synchronisation
+at both points on a GPU), so start-up, imports and the rendezvous are left out and only the
+steady loop is timed. The bare loop reads no loss and sends nothing: the stricter reference.
 
-The result is ddpd's steps per second over torchrun's, per round, and their median with the
-range. The target is >= 0.98. On a shared machine the figures are noisy: read the range.
+The results are ddpd's steps per second over torchrun's and over the bare script's under ddpd
+(the loop's own cost, the launcher being the same), per round, and their medians with the range.
+The target is >= 0.98. On a shared machine the figures are noisy: read the range.
 """
 
 from __future__ import annotations
@@ -121,17 +123,23 @@ def read_clock(stamps: Path) -> float:
     return float(data["steps"]) / float(data["seconds"])
 
 
+def bare_argv(args: argparse.Namespace, stamps: Path) -> list[str]:
+    return ["--bare", "--stamps", str(stamps), "--device", args.device, "--layers", str(args.layers),
+            "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--seed", str(args.seed)]
+
+
 def run_torchrun(args: argparse.Namespace, stamps: Path) -> float:
     from benchmarks.common import TORCHRUN, free_port
 
     argv = [TORCHRUN, "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1", "--master-port",
-            str(free_port()), str(Path(__file__)), "--bare", "--stamps", str(stamps), "--device", args.device,
-            "--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+            str(free_port()), str(Path(__file__)), *bare_argv(args, stamps)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     if args.device == "cuda":
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.nproc)))
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    # a session of its own, as the daemon's ranks have (with autogroup scheduling, a session is a CPU share)
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+                          start_new_session=True)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return read_clock(stamps)
@@ -154,6 +162,22 @@ async def run_ddpd(args: argparse.Namespace, daemon: Any, stamps: Path) -> float
     return read_clock(stamps)
 
 
+async def run_ddpd_script(args: argparse.Namespace, daemon: Any, stamps: Path) -> float:
+    """The bare loop as an unmodified script under ddpd: the same launcher, none of the loop's work."""
+    import anyio
+
+    from ddpd.protocol import JobSpec, JobState
+
+    spec = JobSpec(name="bench-loop-bare", script=[str(Path(__file__)), *bare_argv(args, stamps)], nproc=args.nproc,
+                   workdir=str(REPO), device=args.device)
+    job_id = await daemon.client.submit(spec)
+    with anyio.fail_after(600):
+        job = await daemon.client.wait(job_id)
+    if job.state != JobState.SUCCEEDED:
+        raise RuntimeError(f"ddpd script job {job.state}: {job.reason} {job.root_cause}")
+    return read_clock(stamps)
+
+
 async def compare(args: argparse.Namespace) -> dict[str, Any]:
     """`args.rounds` side-by-side rounds; the steps per second of each side and their ratios."""
     from benchmarks.common import start_daemon, stop_daemon
@@ -165,22 +189,29 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for n in range(args.rounds):
                 rates: dict[str, float] = {}
-                order = ("ddpd", "torchrun") if n % 2 == 0 else ("torchrun", "ddpd")
-                for side in order:
+                order = ("ddpd", "torchrun", "ddpd-script")
+                for side in order if n % 2 == 0 else order[::-1]:
                     stamps = base / f"{side}-{n}"
                     stamps.mkdir()
                     if side == "ddpd":
                         rates[side] = await run_ddpd(args, daemon, stamps)
+                    elif side == "ddpd-script":
+                        rates[side] = await run_ddpd_script(args, daemon, stamps)
                     else:
                         rates[side] = run_torchrun(args, stamps)
-                row = {**rates, "ratio": rates["ddpd"] / rates["torchrun"]}
+                row = {**rates, "ratio": rates["ddpd"] / rates["torchrun"],
+                       "loop_ratio": rates["ddpd"] / rates["ddpd-script"]}
                 rows.append(row)
-                print(f"round {n + 1}: ddpd {row['ddpd']:.0f} steps/s, torchrun {row['torchrun']:.0f} steps/s, "
-                      f"ratio {row['ratio']:.3f}", flush=True)
+                print(f"round {n + 1}: ddpd {row['ddpd']:.0f} steps/s, torchrun {row['torchrun']:.0f}, bare script "
+                      f"under ddpd {row['ddpd-script']:.0f}; ratio to torchrun {row['ratio']:.3f}, to the bare "
+                      f"script {row['loop_ratio']:.3f}", flush=True)
         finally:
             await stop_daemon(daemon)
     ratios = [r["ratio"] for r in rows]
-    return {"model": f"{args.layers} x Linear({args.width}), batch {args.batch}", "device": args.device,
+    loops = [r["loop_ratio"] for r in rows]
+    return {"loop_ratio_median": statistics.median(loops), "loop_ratio_min": min(loops),
+            "loop_ratio_max": max(loops), "model": f"{args.layers} x Linear({args.width}), batch {args.batch}",
+            "device": args.device,
             "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup, "rounds": rows,
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
@@ -201,7 +232,8 @@ async def bench_loop(ctx: Any) -> None:
 def summary(result: dict[str, Any]) -> str:
     return (f"loop, {result['model']}, {result['nproc']} rank(s) on {result['device']}: ddpd/torchrun steps/s "
             f"{result['ratio_median']:.3f}x [{result['ratio_min']:.3f}-{result['ratio_max']:.3f}] over "
-            f"{len(result['rounds'])} rounds (target >= 0.98)")
+            f"{len(result['rounds'])} rounds (target >= 0.98); against the same bare loop as a script under "
+            f"ddpd {result['loop_ratio_median']:.3f}x [{result['loop_ratio_min']:.3f}-{result['loop_ratio_max']:.3f}]")
 
 
 def main(argv: list[str] | None = None) -> int:
