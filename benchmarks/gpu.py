@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     try:
