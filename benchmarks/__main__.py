@@ -49,6 +49,7 @@ from .context import Ctx, Plan
 from .detect import bench_detect
 from .history import bench_history
 from .launch import bench_launch
+from .loop import bench_loop
 from .report import dump_json, print_report
 from .scale import bench_scale
 from .throughput import bench_throughput, daemon_idle
@@ -58,6 +59,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "detect": bench_detect,
     "throughput": bench_throughput,
     "scale": bench_scale,
+    "loop": bench_loop,
     "history": bench_history,
 }
 
@@ -118,6 +120,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         await run_bench(ctx, "scale")
     if "history" in names:
         await run_bench(ctx, "history")
+    if "loop" in names:
+        await run_bench(ctx, "loop")
 
 
 async def run_bench(ctx: Ctx, name: str) -> None:

@@ -161,6 +161,15 @@ def of(kind: type[Any], messages: list[WorkerMessage]) -> list[Any]:
     return [m for m in messages if isinstance(m, kind)]
 
 
+def progress_steps(messages: list[WorkerMessage], first: int, last: int) -> list[int]:
+    """The steps of the Progress frames, checked as the loop coalesces them: the attempt's first step,
+    increasing, the last step always; fewer frames than steps when steps are fast."""
+    steps = [m.step for m in of(Progress, messages)]
+    assert steps and steps[0] == first and steps[-1] == last, steps
+    assert steps == sorted(set(steps)), steps
+    return steps
+
+
 def test_single_rank_hello_phases_progress_result(spawn: Any) -> None:
     worker = spawn("--pool")
     hello = worker.until(Hello)[-1]
@@ -173,7 +182,7 @@ def test_single_rank_hello_phases_progress_result(spawn: Any) -> None:
     frames = worker.until(Result)
     phases = [m.phase for m in of(PhaseChanged, frames)]
     assert phases == ["store_connected", "joined", "training"]
-    assert [m.step for m in of(Progress, frames)] == [1, 2, 3, 4, 5]
+    progress_steps(frames, 1, 5)
     result = frames[-1]
     assert isinstance(result, Result)
     assert result.steps == 5
@@ -195,7 +204,7 @@ def test_two_ranks_train_to_identical_checksums(spawn: Any) -> None:
     results = []
     for w in workers:
         frames = w.until(Result)
-        assert [m.step for m in of(Progress, frames)] == list(range(1, 21))
+        progress_steps(frames, 1, 20)
         results.append(frames[-1])
     assert os.getpgid(workers[1].proc.pid) == workers[0].proc.pid
     assert results[0].checksum == results[1].checksum
@@ -240,7 +249,7 @@ def test_failure_carries_traceback_and_phase(spawn: Any) -> None:
     assert isinstance(failure, Failure)
     assert (failure.error, failure.message, failure.phase) == ("RuntimeError", "injected failure", "training")
     assert "fail_at_step" in failure.traceback or "on_step" in failure.traceback
-    assert [m.step for m in of(Progress, frames)] == [1, 2]
+    assert [m.step for m in of(Progress, frames)] in ([1], [1, 2])
     assert worker.wait() == 1
     assert "injected failure" in worker.log.read_text()
 
@@ -319,8 +328,8 @@ def test_dataset_task_with_gradient_accumulation(spawn: Any) -> None:
         w.send(assignment(rank, 2, store, spec))
     frames = [w.until(Result) for w in workers]
     assert frames[0][-1].checksum == frames[1][-1].checksum
+    progress_steps(frames[0], 1, 12)
     losses = [m.loss for m in of(Progress, frames[0])]
-    assert len(losses) == 12
     assert losses[-1] < losses[0]  # it learns
     assert [w.wait() for w in workers] == [0, 0]
 
@@ -335,9 +344,9 @@ def test_stuck_rank_heartbeats_dumps_stacks_and_dies_with_its_group(spawn: Any) 
     spec = JobSpec(task="tests.tasks:hang_in_training", steps=100, options={"rank": 1, "at_step": 3})
     workers[0].send(assignment(0, 2, store, spec))
     workers[1].send(assignment(1, 2, store, spec, pgid=workers[0].proc.pid))
-    frames = workers[1].until(Progress)
-    while not (isinstance(frames[-1], Progress) and frames[-1].step == 2):
-        frames = workers[1].until(Progress)
+    frames = workers[1].until(Heartbeat)
+    while not (isinstance(frames[-1], Heartbeat) and frames[-1].step == 2):
+        frames = workers[1].until(Heartbeat)
     beats = [workers[1].until(Heartbeat)[-1] for _ in range(2)]
     assert [b.step for b in beats if isinstance(b, Heartbeat)] == [2, 2]
     workers[1].send(DumpStacks())

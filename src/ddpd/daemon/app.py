@@ -20,6 +20,7 @@ from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
 from .bus import EventBus
 from .config import Config, ConfigError, load_config, parse_listen
+from .gpus import discover_async
 from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
@@ -39,10 +40,14 @@ _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "
                  "metrics_token", "pool_size")
 
 
-def _count_gpus() -> int:
-    import torch
-
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+async def _count_gpus() -> int:
+    """GPUs through NVML (torch in a child process where NVML is missing): the daemon never
+    initialises CUDA itself."""
+    try:
+        return len(await discover_async())
+    except RuntimeError as exc:
+        log.warning("daemon.gpu_discovery_failed", error=str(exc))
+        return 0
 
 
 class Daemon:
@@ -147,7 +152,7 @@ class Daemon:
         cfg = self.config
         db = await anyio.to_thread.run_sync(StateDB.open_dir, cfg.state_dir)  # StorageError: unusable
         set_child_subreaper()
-        gpus = cfg.gpus if cfg.gpus is not None else await anyio.to_thread.run_sync(_count_gpus)
+        gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
         bus = EventBus()
         journal = Journal(db, bus)
         resources = Resources(gpus, cfg.cpu_slots)

@@ -35,6 +35,7 @@ from .clock import Clock, RealClock, wait_until
 from .config import Config
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
+from .gpus import nccl_env
 from .journal import Journal
 from .launch import Launcher, make_dirs
 from .outcome import Outcome, bounded
@@ -135,7 +136,8 @@ class Attempt:
         job.store_port = rdzv.port
         await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port)
         launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
-                                             self.limits.join, self.clock, self.pool)
+                                             self.limits.join, self.clock, self.pool,
+                                             defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {})
         try:
             async with anyio.create_task_group() as tg:
                 try:

@@ -137,6 +137,10 @@ def _progress(limits: Limits, watch: Watch, live: list[RankClock], now: float,
         return None
     low = min(r.step for r in stalled)
     overdue = [r for r in stalled if (r.last_step_change or 0.0) + limit(r) <= now]
+    # progress arrives coalesced (and through heartbeats), so a peer frozen at the same step may be
+    # seen to freeze a little later: it is a suspect too, and the stack dumps tell which one hung
+    frozen_at = min(r.step for r in overdue)
+    overdue += [r for r in stalled if r.step == frozen_at and r not in overdue]
     stuck = [r.rank for r in overdue]
     return Outcome(JobState.TIMED_OUT, "progress_timeout", RootCause(
         reason="progress_timeout", attempt=watch.number, ranks=stuck, rank=stuck[0], phase=overdue[0].state.value,

@@ -18,6 +18,7 @@ import socket
 import stat
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -35,13 +36,15 @@ from .rendezvous import Rendezvous
 
 
 def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rendezvous, marker: str,
-             error_file: Path) -> dict[str, str]:
-    """The whole environment of one rank: `base`, defaults, ``spec.env``, then the reserved variables."""
+             error_file: Path, defaults: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of one rank: `base`, defaults (the job's NCCL settings on GPUs),
+    ``spec.env``, then the reserved variables."""
     spec = job.spec
     n = spec.nproc
     env = dict(base)
     env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
     env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.update(defaults or {})
     env.update({k: v for k, v in spec.env.items() if not is_reserved_env(k)})
     if not job.gpus:
         devices = ""  # a CPU job never touches a GPU the scheduler gave another job
@@ -89,7 +92,9 @@ class Launcher:
     """Starts the ranks of one attempt (cold, or from the warm pool when the job may use it)."""
 
     def __init__(self, config: Config, job: Job, number: int, marker: str, rdzv: Rendezvous, attempt_dir: Path,
-                 join_timeout: float, clock: Clock, pool: WarmPool | None) -> None:
+                 join_timeout: float, clock: Clock, pool: WarmPool | None,
+                 defaults: Mapping[str, str] | None = None) -> None:
+        self.defaults = dict(defaults or {})
         self.config, self.job, self.number, self.rdzv, self.clock = config, job, number, rdzv, clock
         self.marker = marker
         self.join_timeout = join_timeout
@@ -102,7 +107,7 @@ class Launcher:
     def env(self, rank: int) -> dict[str, str]:
         if rank not in self.envs:
             self.envs[rank] = rank_env(self.base, self.job, self.number, rank, self.rdzv, self.marker,
-                                       self.attempt_dir / f"rank-{rank}-error.json")
+                                       self.attempt_dir / f"rank-{rank}-error.json", self.defaults)
         return self.envs[rank]
 
     def start(self, rank: int, log_path: Path, pgid: int | None) -> RankHandle:

@@ -2,8 +2,18 @@
 
 Order: resolve the device, build the task (before any rendezvous, so a task that hangs here is
 a rank that never joins), connect to the attempt's TCPStore, ``init_process_group``, wrap the
-model in DistributedDataParallel, resume from the last checkpoint, train with a per-step stop
+model in DistributedDataParallel, resume from the last checkpoint, train with a periodic stop
 vote, and finish with the parameter checksum and ``destroy_process_group``.
+
+No host-device synchronisation per step: the loss stays on the device and is read only when a
+Progress frame goes out (the first step of an attempt, then at most one every
+`PROGRESS_MIN`..`PROGRESS_MAX` seconds, and always the last step), and the stop vote's
+collective runs about every `StopVote.VOTE_INTERVAL` seconds, not every step. The heartbeat
+thread carries the step counter in between, so the daemon's progress watch sees every step.
+
+The process group's timeout (how long a collective may wait before the backend gives up) is
+``DDPD_COLLECTIVE_TIMEOUT`` seconds when the daemon sets it (from the job's timeouts), else the
+join timeout.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -20,12 +30,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpd.protocol.channel import Assign, Checkpointed, PhaseChanged, Result
+from ddpd.protocol.channel import Assign, Checkpointed, PhaseChanged, Progress, Result
 from ddpd.protocol.spec import JobSpec
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .runtime import Runtime
 from .tasks import Task, TaskContext, default_forward, resolve_factory, to_device
+
+# set by the daemon's launch code (the same name is in ddpd.daemon.gpus; daemon and worker share no module)
+COLLECTIVE_TIMEOUT_ENV = "DDPD_COLLECTIVE_TIMEOUT"
+PROGRESS_MIN, PROGRESS_MAX = 0.25, 1.0
 
 
 def resolve_device(spec: JobSpec, local_rank: int) -> Any:
@@ -60,14 +74,23 @@ def run_task(runtime: Runtime, assign: Assign) -> Result:
     return train(runtime, assign, task, ctx)
 
 
+def collective_timeout(assign: Assign, environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds a collective may wait: ``DDPD_COLLECTIVE_TIMEOUT`` if set and valid, else the join timeout."""
+    raw = environ.get(COLLECTIVE_TIMEOUT_ENV, "")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        return assign.join_timeout
+    return seconds if math.isfinite(seconds) and seconds > 0 else assign.join_timeout
+
+
 def connect(runtime: Runtime, assign: Assign, backend: str) -> None:
     """Connect to the daemon's store, then join the process group; each reported as a phase."""
-    timeout = timedelta(seconds=assign.join_timeout)
     store = dist.TCPStore(assign.store_host, assign.store_port, assign.world_size,
-                          is_master=False, timeout=timeout)
+                          is_master=False, timeout=timedelta(seconds=assign.join_timeout))
     set_phase(runtime, "store_connected")
     dist.init_process_group(backend, store=store, rank=assign.rank, world_size=assign.world_size,
-                            timeout=timeout)
+                            timeout=timedelta(seconds=collective_timeout(assign)))
     set_phase(runtime, "joined")
 
 
@@ -91,6 +114,7 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     data = batch_source(task, ctx, start * accumulate)
     vote = StopVote(runtime, device if dist.get_backend() == "nccl" else torch.device("cpu"), start)
+    reporter = ProgressReporter(runtime, progress_interval(assign.heartbeat_interval))
 
     runtime.step = start
     set_phase(runtime, "training")
@@ -103,7 +127,7 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         if task.on_step is not None:
             task.on_step(step)
         optimizer.zero_grad(set_to_none=True)
-        losses = []
+        losses: list[Any] = []
         for micro in range(accumulate):
             batch = next(data)
             sync = ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext()
@@ -113,10 +137,11 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
                 (loss / accumulate if accumulate > 1 else loss).backward()
             losses.append(loss.detach())
         optimizer.step()
-        runtime.progress(step, (losses[0] if accumulate == 1 else torch.stack(losses).float().mean()).item())
+        reporter.stepped(step, losses, final=step >= spec.steps)
         if spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0:
             saved = checkpoint(runtime, assign, model, optimizer, step)
 
+    reporter.flush()
     if stopped:
         set_phase(runtime, "stopping")
         if saved != step:
@@ -125,6 +150,51 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     runtime.keepalive += [ddp, model, optimizer, data, task]
     dist.destroy_process_group()
     return Result(steps=step, loss=runtime.loss, checksum=checksum, stopped_early=stopped)
+
+
+def progress_interval(heartbeat_interval: float) -> float:
+    """Seconds between Progress frames: the heartbeat interval, kept within PROGRESS_MIN..PROGRESS_MAX."""
+    return min(PROGRESS_MAX, max(PROGRESS_MIN, heartbeat_interval))
+
+
+def mean_loss(losses: Sequence[Any]) -> float:
+    """The mean of one step's micro-batch losses as a float: the only point where the loss is read."""
+    if len(losses) == 1:
+        return float(losses[0].item())
+    return float(torch.stack(list(losses)).float().mean().item())
+
+
+class ProgressReporter:
+    """Coalesced Progress frames: the first step, then at most one per `interval`, and the final step.
+
+    `stepped` records the step (the heartbeat thread reports it) and keeps the step's losses as
+    tensors; only a frame that goes out reads them (`read`, a host-device sync on CUDA), so a
+    step that is not reported costs no synchronisation. `flush` reports the last step if it has
+    not been, so a stopped run's last step is reported too.
+    """
+
+    def __init__(self, runtime: Runtime, interval: float, clock: Callable[[], float] = time.monotonic,
+                 read: Callable[[Sequence[Any]], float] = mean_loss) -> None:
+        self.runtime = runtime
+        self.interval = interval
+        self.clock = clock
+        self.read = read
+        self.sent_at: float | None = None
+        self.sent_step: int | None = None
+        self.step: int | None = None
+        self.losses: Sequence[Any] = ()
+
+    def stepped(self, step: int, losses: Sequence[Any], final: bool = False) -> None:
+        self.runtime.step, self.step, self.losses = step, step, losses
+        if final or self.sent_at is None or self.clock() - self.sent_at >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.step is None or self.step == self.sent_step:
+            return
+        self.runtime.loss = self.read(self.losses)
+        self.runtime.send(Progress(step=self.step, loss=self.runtime.loss))
+        self.sent_at, self.sent_step, self.losses = self.clock(), self.step, ()
 
 
 class StopVote:

@@ -1,0 +1,61 @@
+"""GPU benchmark: the ``mlp`` task's steps per second under ddpd against the same loop under torchrun.
+
+    python -m benchmarks.gpu                     # 3 rounds, one rank on GPU 0
+    python -m benchmarks.gpu --nproc 2 --json out.json
+
+The model is ddpd's built-in ``mlp`` (4 x Linear(1024) + ReLU, batch 64, MSE, SGD) with NCCL; the
+rounds, clocks and ratio are those of `benchmarks.loop` (see there), on the same GPU(s), one
+after the other. It also lists the GPUs as the daemon's discovery (NVML) sees them. Exits 2,
+saying why, where there is no CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ddpd.daemon import gpus
+
+from . import loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--warmup", type=int, default=150)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    try:
+        found = gpus.discover()
+    except RuntimeError as exc:
+        found = []
+        print(f"gpu discovery failed: {exc}", flush=True)
+    for g in found:
+        print(f"GPU {g.index}: {g.name} {g.uuid} memory {g.memory_used >> 20}/{g.memory_total >> 20} MiB "
+              f"utilisation {g.utilization}% ({g.source})", flush=True)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device here: the GPU benchmark did not run", flush=True)
+        return 2
+    if torch.cuda.device_count() < args.nproc:
+        print(f"needs {args.nproc} GPUs, found {torch.cuda.device_count()}", flush=True)
+        return 2
+    import anyio
+
+    bench = loop.parse_args(["--device", "cuda", "--nproc", str(args.nproc), "--layers", "4", "--width", "1024",
+                             "--batch", "64", "--steps", str(args.steps), "--warmup", str(args.warmup),
+                             "--rounds", str(args.rounds)])
+    result = anyio.run(loop.compare, bench)
+    print(loop.summary(result), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"gpus": [g.__dict__ for g in found], "mlp": result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
