@@ -58,7 +58,7 @@ async def call(client: AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
 async def result(client: AsyncClient, request: dict[str, Any]) -> Any:
     reply = await call(client, request)
     assert reply["type"] == "ok", reply
-    return reply["result"]
+    return reply.get("result")  # an Ok with no result omits it
 
 
 async def page(client: AsyncClient, **fields: Any) -> JobPage:

@@ -15,7 +15,7 @@ from ddpd.protocol import MAX_FRAME, JobState
 from ddpd.protocol.control import JobView
 
 from ..conftest import DaemonProc
-from ..rawclient import all_jobs, call, cancel, page, ping_within, result
+from ..rawclient import all_jobs, call, cancel, page, ping_within, result, send_raw
 
 pytestmark = pytest.mark.anyio
 
@@ -34,7 +34,7 @@ async def test_a_400_kb_exception_message_does_not_break_status_wait_or_ls(door:
     assert (await door.client.status(ids[0])).state == JobState.FAILED
     listed = await all_jobs(door.client)
     assert [j.id for j in listed] == ids[::-1]  # newest first
-    events = await door.client.send_raw(b'{"op":"events","id":3,"job_id":"' + ids[0].encode() + b'"}\n')
+    events = await send_raw(door.client, b'{"op":"events","id":3,"job_id":"' + ids[0].encode() + b'"}\n')
     assert events[-1]["type"] == "end" and all(r["type"] == "item" for r in events[:-1])
     await ping_within(door.client, 5)
 
@@ -89,7 +89,7 @@ async def test_a_fifo_in_place_of_a_rank_log_is_reported(door: DaemonProc) -> No
     log0.unlink()
     os.mkfifo(log0)
     with anyio.fail_after(20):
-        replies = await door.client.send_raw(b'{"op":"logs","id":4,"job_id":"' + view.id.encode() + b'"}\n')
+        replies = await send_raw(door.client, b'{"op":"logs","id":4,"job_id":"' + view.id.encode() + b'"}\n')
     assert replies[-1]["type"] == "end"
     chunks = [r["item"] for r in replies if r["type"] == "item"]
     assert any(c["rank"] == 0 and "not a regular file" in c.get("error", "") for c in chunks), chunks

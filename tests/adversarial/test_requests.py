@@ -10,7 +10,7 @@ import pytest
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc
-from ..rawclient import all_jobs, call, ping_within
+from ..rawclient import all_jobs, call, ping_within, send_raw
 
 pytestmark = pytest.mark.anyio
 
@@ -31,10 +31,10 @@ async def test_deep_nesting_gets_an_error_and_the_daemon_lives(door: DaemonProc)
     job_id = await _accepted(door)
     for depth in (33, 5_000, 30_000):
         nested = b"[" * depth + b"]" * depth
-        replies = await door.client.send_raw(_submit(b'{"options":{"x":' + nested + b"}}"), expect=1)
+        replies = await send_raw(door.client, _submit(b'{"options":{"x":' + nested + b"}}"), expect=1)
         assert replies[0]["type"] == "error" and replies[0]["code"] == "bad_message", replies
         assert "nested" in replies[0]["message"]
-        replies = await door.client.send_raw(b'{"op":"ping","id":' + nested + b"}\n", expect=1)
+        replies = await send_raw(door.client, b'{"op":"ping","id":' + nested + b"}\n", expect=1)
         assert replies[0]["code"] in ("bad_message", "frame_too_large"), replies
         await ping_within(door.client, 5)
     assert door.proc.returncode is None
@@ -62,7 +62,7 @@ BAD_FIELDS = [
 
 async def test_bad_fields_are_refused_naming_them(door: DaemonProc) -> None:
     for spec, code, names in BAD_FIELDS:
-        replies = await door.client.send_raw(_submit(spec), expect=1)
+        replies = await send_raw(door.client, _submit(spec), expect=1)
         assert replies[0]["type"] == "error" and replies[0]["code"] == code, replies
         assert names in replies[0]["message"], replies
         assert replies[0]["id"] == (None if code in ("frame_too_large", "malformed_frame") else 5)
@@ -76,7 +76,7 @@ async def test_bad_fields_are_refused_naming_them(door: DaemonProc) -> None:
 async def test_a_bad_request_does_not_close_the_connection(door: DaemonProc) -> None:
     frames = (b'{"op":"status","id":1,"job_id":"' + b"j" * 100 + b'"}\n' + b'{"op":"list","id":2,"limit":-1}\n'
               + b'{"op":"logs","id":3,"job_id":"x","rank":4096}\n' + b'{"op":"ping","id":4}\n')
-    replies = await door.client.send_raw(frames, expect=4)
+    replies = await send_raw(door.client, frames, expect=4)
     assert [(r["id"], r["type"]) for r in replies] == [(1, "error"), (2, "error"), (3, "error"), (4, "ok")]
     assert {r.get("code") for r in replies[:3]} == {"bad_message"}
 
