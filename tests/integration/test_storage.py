@@ -16,7 +16,6 @@ import anyio
 import pytest
 
 from ddpd.protocol import JobState, RemoteError
-from ddpd.protocol.control import Error, Ok, Submit
 
 from ..conftest import REPO, DaemonProc, daemon_argv, running_daemon
 
@@ -68,24 +67,23 @@ async def test_running_job_survives_a_locked_database(short_tmp: Path) -> None:
             assert await d.client.ping() is not None  # the loop keeps answering
         with anyio.fail_after(120):
             job = await d.client.wait(job_id)
-        assert job.state == JobState.SUCCEEDED.value
+        assert job.state == JobState.SUCCEEDED.value, job.root_cause
         assert db_state(d, job_id) == JobState.SUCCEEDED.value  # the retried writes landed
 
 
 async def test_retried_submit_with_a_key_runs_once(short_tmp: Path) -> None:
     async with running_daemon(short_tmp, "--cpu-slots", "2") as d:
         spec = d.spec(task="two-layer", nproc=1, steps=1)
-        first = await d.client.request(Submit(id=0, spec=spec, idempotency_key="nightly-7"))
-        second = await d.client.request(Submit(id=0, spec=spec, idempotency_key="nightly-7"))
-        assert isinstance(first, Ok) and isinstance(second, Ok), (first, second)
-        assert first.result["job_id"] == second.result["job_id"]
-        assert (first.result.get("existing", False), second.result["existing"]) == (False, True)
+        first = await d.client.submit_result(spec, idempotency_key="nightly-7")
+        second = await d.client.submit_result(spec, idempotency_key="nightly-7")
+        assert first.job_id == second.job_id
+        assert (first.existing, second.existing) == (False, True)
         with anyio.fail_after(120):
-            job = await d.client.wait(first.result["job_id"])
+            job = await d.client.wait(first.job_id)
         assert job.state == JobState.SUCCEEDED.value and job.attempt == 1
         assert len(await d.client.list_jobs()) == 1
-        bad = await d.client.request(Submit(id=0, spec=spec, idempotency_key="x" * 1000))
-        assert isinstance(bad, Error) and "idempotency_key" in bad.message
+        with pytest.raises(RemoteError, match="idempotency_key"):
+            await d.client.submit_result(spec, idempotency_key="x" * 1000)
 
 
 def serve_unusable(base: Path, state_dir: Path) -> subprocess.CompletedProcess[str]:

@@ -39,6 +39,9 @@ JOURNALED_RATE = 100.0  # checkpoints and failures per second (each is a journal
 JOURNALED_BURST = 1000.0
 MAX_FAILURES = 4  # a rank reports one failure, then exits
 RESULT_WAIT = 1.0  # after the exit: how long the frames it sent just before (its result) may take to be read
+# ... and after a clean exit with no result read yet: the reader may be behind on journal writes that
+# retry while the database is locked (each try waits the busy timeout), so wait out the journal's worst case
+CLEAN_EXIT_RESULT_WAIT = 30.0
 
 
 class FrameBudget:
@@ -213,6 +216,9 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
     h.signals_before_exit = ctx.signals_sent()
     with anyio.move_on_after(RESULT_WAIT):  # frames sent just before exiting (the result) are read first
         await h.reader_done.wait()
+    if exit_.ok and h.result is None and not h.reader_done.is_set():
+        with anyio.move_on_after(CLEAN_EXIT_RESULT_WAIT):
+            await h.reader_done.wait()
     h.exit = exit_
     rank = h.rank
     rank.exit_code, rank.signal = exit_.code, exit_.signal
