@@ -22,12 +22,13 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ddpd.protocol.channel import Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
+from ddpd.protocol.channel import AskStacks, Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
 from ddpd.protocol.framing import PROTOCOL_VERSION
 from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
 from .runtime import Channel, Runtime
+from .stacks import current_stacks, dump_flight_recorder
 
 PR_SET_PDEATHSIG = 1
 
@@ -67,9 +68,21 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
                     runtime.stop_requested.set()
                 case DumpStacks():
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    dump_hang_evidence()
+                case AskStacks(request=request):
+                    runtime.send(current_stacks(request))
     except Exception as exc:  # OSError, or a bug: either way nobody listens to the daemon any more
         why = f"channel error: {exc!r}"
     runtime.channel.daemon_gone(why)
+
+
+def dump_hang_evidence() -> None:
+    """A hang: NCCL's flight recorder too, beside the rank log (said in the log where it does not apply)."""
+    try:
+        note = dump_flight_recorder()
+    except OSError as exc:
+        note = f"flight recorder: cannot write its dump ({exc})"
+    print(f"ddpd: {note}", file=sys.stderr, flush=True)
 
 
 def send_heartbeats(runtime: Runtime, interval: float) -> None:
