@@ -8,7 +8,8 @@ it starts at the job's first frame.
 
 `dump_flight_recorder` writes torch's NCCL flight recorder beside the rank logs (the path the
 daemon set in ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``) where it applies: an initialized NCCL process
-group on a torch that has the recorder; otherwise it says why not.
+group on a torch that has the recorder; otherwise it says why not. The worker does so on the
+daemon's hang dump (SIGUSR1, or the DumpStacks frame).
 """
 
 from __future__ import annotations
