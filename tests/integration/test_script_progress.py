@@ -92,7 +92,7 @@ async def test_an_unmodified_script_hung_in_a_collective_names_the_rank_behind(d
 
 async def test_a_script_without_an_optimizer_is_not_timed_out(daemon: DaemonProc) -> None:
     """An evaluation steps no optimizer and reports nothing: the progress timeout does not apply to it."""
-    spec = daemon.spec(script=[str(SCRIPTS / "evaluate.py"), "--batches", "400"], nproc=2,
+    spec = daemon.spec(script=[str(SCRIPTS / "evaluate.py"), "--seconds", "3"], nproc=2,
                        timeouts={"progress": 1.0})
     job = await daemon.run(spec)
     assert job.state == JobState.SUCCEEDED, job.root_cause
@@ -100,5 +100,5 @@ async def test_a_script_without_an_optimizer_is_not_timed_out(daemon: DaemonProc
     events = await _events(daemon, job.id)
     assert not [e for e in events if e.kind == "rank.state_changed" and e.data["to"] == "TRAINING"]
     started = next(e.ts for e in events if e.kind == "rank.joined")
-    assert job.finished_at is not None and job.finished_at - started > 1.0, "ran for less than the timeout"
+    assert job.finished_at is not None and job.finished_at - started > 3.0
     assert_nothing_left([job])
