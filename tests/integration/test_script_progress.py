@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import re
 
-import anyio
 import pytest
 
 from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView
 
-from ..conftest import JOB_TIMEOUT, DaemonProc, assert_nothing_left
+from ..conftest import DaemonProc, assert_nothing_left
 from ..scripts.helpers import SCRIPTS
 
 pytestmark = pytest.mark.anyio
