@@ -33,13 +33,22 @@ log = structlog.get_logger("ddpd")
 
 STACKS_WAIT = 2.0  # seconds a rank has to answer
 PY_SPY_WAIT = 10.0  # seconds one py-spy dump may take
-PY_SPY_AT_ONCE = 4
+PY_SPY_AT_ONCE = 4  # py-spy processes at once, over all requests
 NATIVE_TEXT = 4 * TEXT_LIMIT  # characters of one py-spy dump
 REPLY_BUDGET = MAX_FRAME // 2  # bytes of a result (JSON), well under the reply frame limit
 CLIPS = (TEXT_LIMIT, 2048, 512, 128)  # stack lengths tried, longest first, until the result fits
 NO_PY_SPY = "py-spy is not installed where the daemon runs (pip install 'ddpd[debug]'): Python stacks only"
 
 _requests = itertools.count(1)
+_py_spy_limiter: anyio.CapacityLimiter | None = None
+
+
+def _limiter() -> anyio.CapacityLimiter:
+    """One limiter for the daemon's py-spy processes (made on first use, inside the event loop)."""
+    global _py_spy_limiter
+    if _py_spy_limiter is None:
+        _py_spy_limiter = anyio.CapacityLimiter(PY_SPY_AT_ONCE)
+    return _py_spy_limiter
 
 
 def find_py_spy() -> str | None:
@@ -145,7 +154,7 @@ async def collect(job_id: str, attempt: int, handles: Sequence[RankHandle], *, r
     chosen = [h for h in handles if rank is None or h.rank.rank == rank]
     answers: dict[int, Stacks] = {}
     views: dict[int, RankStacks] = {}
-    limiter = anyio.CapacityLimiter(PY_SPY_AT_ONCE)
+    limiter = _limiter()
     async with anyio.create_task_group() as tg:
         for h in chosen:
             tg.start_soon(_one, h, native, py_spy, wait, limiter, answers, views)
