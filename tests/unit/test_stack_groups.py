@@ -104,6 +104,15 @@ def test_a_script_rank_is_located_in_the_scripts_own_code() -> None:
     assert site is not None and str(site.where) == f"{REPO}/train.py:50 in main"
 
 
+def test_a_script_installed_as_a_library_is_located_at_its_first_frame() -> None:
+    lib = sysconfig.get_paths()["purelib"] + "/mypkg"
+    dump = _dump(f"{TORCH}/distributed/distributed_c10d.py:2800:all_reduce", f"{lib}/train.py:30:step",
+                 f"{lib}/train.py:80:<module>", "<frozen runpy>:88:_run_code", "<frozen runpy>:98:_run_module_code",
+                 "<frozen runpy>:226:run_module", f"{DDPD}/script.py:68:run_script", f"{DDPD}/bootstrap.py:180:main")
+    site = locate(0, dump)
+    assert site is not None and str(site.where) == f"{lib}/train.py:80 in <module>"
+
+
 def test_the_rank_behind_by_its_step_counter_is_the_culprit_when_all_wait_in_torch() -> None:
     behind = locate(1, _dump(f"{TORCH}/distributed/distributed_c10d.py:2800:all_reduce",
                              f"{REPO}/train.py:30:log_metric", *SCRIPT_TAIL))

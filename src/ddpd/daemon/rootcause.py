@@ -87,6 +87,7 @@ _LIBRARY = ("<frozen ", *{p for key in ("stdlib", "platstdlib", "purelib", "plat
                           if (p := sysconfig.get_paths().get(key))})
 _DDPD = f"{os.sep}ddpd{os.sep}"
 _SCRIPT_RUNNER = f"{os.sep}ddpd{os.sep}worker{os.sep}script.py"  # a script rank's main thread runs through it
+_RUNPY = (f"{os.sep}runpy.py", "<frozen runpy>")
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,9 @@ def locate(rank: int, dump: str) -> StackSite | None:
         return None
     script = any(f.path.endswith(_SCRIPT_RUNNER) for f in frames)
     own = [f for f in frames if _user_code(f) or (not script and _DDPD in f.path)]
+    if not own and script:  # a script installed as a library (-m mypkg.train): its first frame under runpy
+        first = next((i for i, f in enumerate(frames) if f.path.endswith(_RUNPY)), 0)
+        own = frames[first - 1:first] if first > 0 else []
     return StackSite(rank=rank, innermost=frames[0], where=own[0] if own else frames[0])
 
 
