@@ -31,3 +31,31 @@ def test_progress_frames_are_bounded_but_the_step_is_always_recorded() -> None:
     assert len(steps) < total
     ours.close()
     theirs.close()
+
+
+def _frames(sock: socket.socket) -> list[WorkerMessage]:
+    splitter, decoder = LineSplitter(), Decoder(WorkerMessage)
+    frames: list[WorkerMessage] = []
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except BlockingIOError:
+            return frames
+        frames += [decoder.decode_frame(line) for line in splitter.feed(data)]
+
+
+def test_counted_optimizer_steps_until_the_script_reports_its_own() -> None:
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    runtime = rt.Runtime(rt.Channel(ours, os.getpgrp()))
+    for _ in range(3):
+        runtime.count_step()
+    assert runtime.step == 3 and runtime.phase == "training"
+    first = _frames(theirs)
+    assert [type(f).__name__ for f in first] == ["PhaseChanged", "Progress", "Progress", "Progress"]
+    runtime.report(100, 0.5)  # the script's own count wins from its first report on
+    runtime.count_step()
+    assert (runtime.step, runtime.loss) == (100, 0.5)
+    assert [(f.step, f.loss) for f in _frames(theirs) if isinstance(f, Progress)] == [(100, 0.5)]
+    ours.close()
+    theirs.close()

@@ -20,6 +20,7 @@ from ddpd.client import AsyncClient, Client, DaemonUnavailable, ErrorCode, JobSt
 from . import render
 from .output import LogWriter, error, note, print_json, stdout
 from .specs import spec_from_options, spec_options
+from .stacks import show_stacks
 from .watch import run_watch
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -258,6 +259,17 @@ def events(job_id: str | None, follow: bool, since: int, output: str, socket_pat
             else:
                 sys.stdout.write(render.event_line(event) + "\n")
                 sys.stdout.flush()
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--rank", type=int, default=None, help="Only this rank [default: every rank].")
+@click.option("--native", is_flag=True, help="Native frames too (py-spy, where the daemon has it).")
+@_text_output_option("text: each distinct stack once, with its ranks; json: the daemon's result.")
+@_socket_option
+def stacks(job_id: str, rank: int | None, native: bool, output: str, socket_path: Path | None) -> None:
+    """Show where every thread of JOB's ranks is now; the job keeps running."""
+    show_stacks(_client(socket_path), job_id, rank, native, output == "json")
 
 
 @cli.command()

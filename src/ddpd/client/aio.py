@@ -40,6 +40,8 @@ from ddpd.protocol.control import (
     Remove,
     Reply,
     Request,
+    StacksReq,
+    StacksResult,
     Status,
     Submit,
     SubmitResult,
@@ -290,6 +292,12 @@ class AsyncClient:
 
     def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> AsyncStream[EventView]:
         return AsyncStream(self, lambda i: Events(id=i, job_id=job_id, follow=follow, since=since), EventView)
+
+    async def stacks(self, job_id: str, rank: int | None = None, native: bool = False) -> StacksResult:
+        """The current stack of every thread of the running job's ranks (or of `rank`), identical
+        stacks grouped; the job runs on. `native`: native frames too, where the daemon has py-spy."""
+        return convert(await self._call(lambda i: StacksReq(id=i, job_id=job_id, rank=rank, native=native)),
+                       StacksResult)
 
     async def ping(self) -> float:
         """Round-trip time of one ping on an open connection, in seconds."""

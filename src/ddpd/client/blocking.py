@@ -17,7 +17,17 @@ from typing import Any, Generic, Protocol, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ddpd.protocol import JobSpec
-from ddpd.protocol.control import CancelResult, DaemonInfo, EventView, JobPage, JobView, LogChunk, Reply, SubmitResult
+from ddpd.protocol.control import (
+    CancelResult,
+    DaemonInfo,
+    EventView,
+    JobPage,
+    JobView,
+    LogChunk,
+    Reply,
+    StacksResult,
+    SubmitResult,
+)
 
 from .aio import AsyncClient, AsyncConnection
 from .wire import RawRequest
@@ -221,6 +231,9 @@ class Client:
 
     def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> Stream[EventView]:
         return Stream(self.aio.events(job_id, follow, since))
+
+    def stacks(self, job_id: str, rank: int | None = None, native: bool = False) -> StacksResult:
+        return _once(lambda: self.aio.stacks(job_id, rank, native))
 
     def ping(self) -> float:
         return _once(self.aio.ping)

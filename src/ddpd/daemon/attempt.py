@@ -27,7 +27,7 @@ from structlog.contextvars import bound_contextvars
 
 from ..protocol import FrameError, JobState, RankState
 from ..protocol.channel import Hello, Stop
-from ..protocol.control import RootCause
+from ..protocol.control import RootCause, StacksResult
 from ..protocol.limits import clip_text
 from ..protocol.worker import attempt_marker, marker_entry
 from . import procs
@@ -44,6 +44,7 @@ from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
 from .records import Job, attempt_dir, job_dir, rank_log
 from .rendezvous import RendezvousError, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
+from .stacks import collect, find_py_spy
 from .teardown import escalate
 
 log = structlog.get_logger("ddpd")
@@ -161,7 +162,8 @@ class Attempt:
         if outcome.state is JobState.FAILED and outcome.root_cause is None:
             outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
         if outcome.hang and outcome.root_cause is not None:
-            outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites)
+            outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites,
+                                              {h.rank.rank: h.rank.step for h in self.handles})
         if outcome.root_cause is not None:
             outcome.root_cause = bounded(outcome.root_cause)
         return outcome
@@ -283,6 +285,14 @@ class Attempt:
             await h.channel.send(Stop(reason="wall_time_warning"))
         await self.journal.event(self.job, "job.stop_warning", reason="wall_time_warning",
                                  seconds_left=round(wall_at - now, 3), wall=self.limits.wall)
+
+    # -- on demand -----------------------------------------------------------------------
+
+    async def stacks(self, rank: int | None, native: bool) -> StacksResult:
+        """The current stacks of this attempt's ranks (or of `rank`), asked on their channels; the job
+        runs on."""
+        py_spy = await anyio.to_thread.run_sync(find_py_spy)
+        return await collect(self.job.id, self.number, self.handles, rank=rank, native=native, py_spy=py_spy)
 
     # -- teardown --------------------------------------------------------------------------
 

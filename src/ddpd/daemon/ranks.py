@@ -8,6 +8,9 @@ that are written to the journal (checkpoints, failures), and at most MAX_FAILURE
 over a budget is failed with a protocol error naming it. The reader yields to the event loop every
 YIELD_EVERY frames, so a flooding rank cannot starve the daemon.
 
+A Stacks frame answers an `AskStacks` the daemon sent (`RankHandle.asked`); an unasked or late
+one is dropped.
+
 `watch_exit` waits on the rank's pidfd. A rank succeeded when it exited 0 and (task mode) sent its
 Result; a script rank needs only the clean exit (`rank_succeeded`).
 """
@@ -22,7 +25,7 @@ import anyio
 import anyio.lowlevel
 
 from ..protocol import FrameError, JobState, RankState, TransitionError
-from ..protocol.channel import Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result
+from ..protocol.channel import Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result, Stacks
 from ..protocol.control import RootCause
 from ..protocol.limits import clip_text
 from . import procs
@@ -64,6 +67,14 @@ class FrameBudget:
 
 
 @dataclass(eq=False)
+class StacksAsked:
+    """An AskStacks sent to a rank, until its Stacks frame answers it."""
+
+    answered: anyio.Event = field(default_factory=anyio.Event)
+    reply: Stacks | None = None
+
+
+@dataclass(eq=False)
 class RankHandle:
     """A started rank, cold or adopted from the warm pool: the same handle either way."""
 
@@ -83,6 +94,7 @@ class RankHandle:
     signals_before_exit: frozenset[str] = frozenset()
     last_progress_event: float = 0.0
     missed_reported: float | None = None
+    asked: dict[int, StacksAsked] = field(default_factory=dict)  # AskStacks requests awaiting their answer
 
     def fail(self, now: float) -> None:
         """Record the first sign of failure (its time ranks root causes)."""
@@ -138,7 +150,7 @@ async def read_frames(h: RankHandle, ctx: RankContext) -> None:
                 # msgspec takes any 64-bit integer; SQLite stores signed ones, so a step of 2**64-1
                 # would later fail a write (an internal error) instead of failing the rank now
                 raise FrameError("bad_message", f"step out of range in {type(msg).__name__} frame")
-            if not isinstance(msg, Heartbeat | Progress):
+            if not isinstance(msg, Heartbeat | Progress | Stacks):
                 ctx.replan()  # a hello or a phase change starts deadlines (heartbeat, progress)
             await _apply(h, ctx, msg, now)
     except (FrameError, TransitionError) as exc:
@@ -167,6 +179,10 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                 await journal.event(job, "rank.progress", rank=rank.rank, persist=False, step=step, loss=loss)
         case Hello() as hello:
             await ctx.connected(h, hello)
+        case Stacks(request=request) as stacks:
+            if (asked := h.asked.get(request)) is not None and asked.reply is None:
+                asked.reply = stacks
+                asked.answered.set()
         case PhaseChanged(phase="store_connected"):
             if h.pooled:
                 await ctx.check_pgid(h)

@@ -86,6 +86,8 @@ _THREAD = ("Thread 0x", "Current thread 0x")
 _LIBRARY = ("<frozen ", *{p for key in ("stdlib", "platstdlib", "purelib", "platlib")
                           if (p := sysconfig.get_paths().get(key))})
 _DDPD = f"{os.sep}ddpd{os.sep}"
+_SCRIPT_RUNNER = f"{os.sep}ddpd{os.sep}worker{os.sep}script.py"  # a script rank's main thread runs through it
+_RUNPY = (f"{os.sep}runpy.py", "<frozen runpy>")
 
 
 @dataclass(frozen=True)
@@ -134,26 +136,57 @@ def main_thread_stack(dump: str) -> list[Frame] | None:
     return None
 
 
+def _user_code(frame: Frame) -> bool:
+    """The job's own code: not the stdlib (runpy, threading), not a library (torch), not ddpd."""
+    return not frame.path.startswith(_LIBRARY) and _DDPD not in frame.path
+
+
 def locate(rank: int, dump: str) -> StackSite | None:
+    """Where the rank's main thread is: a task's innermost frame in its own code or ddpd's loop; a
+    script's innermost frame in the script's code (never ddpd's wrappers, runpy or torch)."""
     frames = main_thread_stack(dump)
     if not frames:
         return None
-    own = [f for f in frames if not f.path.startswith(_LIBRARY) or _DDPD in f.path]
+    script = any(f.path.endswith(_SCRIPT_RUNNER) for f in frames)
+    own = [f for f in frames if _user_code(f) or (not script and _DDPD in f.path)]
+    if not own and script:  # a script installed as a library (-m mypkg.train): its first frame under runpy
+        first = next((i for i, f in enumerate(frames) if f.path.endswith(_RUNPY)), 0)
+        own = frames[first - 1:first] if first > 0 else []
     return StackSite(rank=rank, innermost=frames[0], where=own[0] if own else frames[0])
 
 
-def explain_hang(cause: RootCause, sites: dict[int, StackSite]) -> RootCause:
-    """Add where each rank was to a hang's root cause; a rank stuck outside torch is named before
-    the ranks only waiting for it inside a collective."""
+def _order(named: list[int], sites: dict[int, StackSite], steps: dict[int, int]) -> list[int]:
+    """The named ranks, culprit first: stuck outside torch before waiting in it, then the rank
+    furthest behind by its step counter, then as named."""
+    def key(r: int) -> tuple[bool, int, int]:
+        return (not (r in sites and not sites[r].in_torch), steps.get(r, 0), named.index(r))
+
+    return sorted(named, key=key)
+
+
+def explain_hang(cause: RootCause, sites: dict[int, StackSite], steps: dict[int, int] | None = None) -> RootCause:
+    """Add where each rank was to a hang's root cause (`steps`: each rank's step counter).
+
+    The culprit is named first: a rank stuck outside torch before the ranks only waiting for it
+    inside a collective; among ranks all inside torch, the one behind by its step counter (a rank
+    that entered a collective its peers never make, one step before them)."""
     if not sites:
         return cause
+    steps = steps or {}
     rank = cause.rank
+    parts = [cause.detail] if cause.detail else []
     if cause.ranks:
-        stuck = [r for r in cause.ranks if r in sites and not sites[r].in_torch]
-        waiting = [r for r in cause.ranks if r not in stuck]
-        if stuck:
-            rank = stuck[0]
-            cause = msgspec.structs.replace(cause, rank=rank, ranks=stuck + waiting)
+        order = _order(list(cause.ranks), sites, steps)
+        rank = order[0]
+        cause = msgspec.structs.replace(cause, rank=rank, ranks=order)
+    if rank is not None and rank in steps:
+        ahead = sorted(r for r in sites if r != rank and steps.get(r, 0) > steps[rank])
+        if ahead:
+            parts.append(f"rank {rank} is behind: step {steps[rank]}, rank(s) {ahead} at "
+                         f"{max(steps[r] for r in ahead)}")
     order = sorted(sites, key=lambda r: (r != rank, r))
-    where = "; ".join(sites[r].describe() for r in order)
-    return msgspec.structs.replace(cause, detail=f"{cause.detail}; {where}" if cause.detail else where)
+    parts.append("; ".join(sites[r].describe() for r in order))
+    waiting = [r for r in order if r != rank and sites[r].in_torch]
+    if rank is not None and waiting:
+        parts.append(f"rank(s) {waiting} wait for rank {rank} inside torch (a collective)")
+    return msgspec.structs.replace(cause, detail="; ".join(parts))

@@ -42,6 +42,7 @@ from ..protocol.control import (
     Reply,
     Request,
     RequestEnvelope,
+    StacksReq,
     Status,
     Submit,
     SubmitResult,
@@ -61,7 +62,8 @@ log = structlog.get_logger("ddpd")
 
 _envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
 _request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
-_OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload"}
+_OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload",
+        "stacks"}
 REFUSAL_LOG_INTERVAL = 10.0
 MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 
@@ -271,6 +273,14 @@ class ControlServer:
                 job = await self._owned(job_id, uid, "remove")
                 await self.scheduler.remove(job, uid)
                 yield Ok(id=rid, result=None)
+            case StacksReq(job_id=job_id, rank=rank, native=native):
+                job = await self._owned(job_id, uid, "inspect")
+                attempt = self.scheduler.attempts.get(job.id)
+                if attempt is None or job.state.final:
+                    raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job.id} is {job.state.value}, not running")
+                if rank is not None and not 0 <= rank < job.spec.nproc:
+                    raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
+                yield Ok(id=rid, result=await attempt.stacks(rank, native))
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
+from .limits import TEXT_LIMIT
 from .spec import JobSpec
 
 Phase = Literal["store_connected", "joined", "training", "stopping", "done"]
+
+STACK_THREADS = 32  # threads one Stacks frame describes at most (the main thread first)
+STACK_TEXT = TEXT_LIMIT  # characters of one thread's formatted stack (clipped head and tail)
+THREAD_NAME = 256  # characters of a thread's name
+RequestNumber = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class _W(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
@@ -66,7 +72,23 @@ class Failure(_W, tag="failure"):
     phase: str
 
 
-WorkerMessage = Hello | PhaseChanged | Heartbeat | Progress | Checkpointed | Result | Failure
+class ThreadStack(msgspec.Struct, forbid_unknown_fields=True):
+    """One thread's current stack, formatted as a traceback (innermost frame last)."""
+
+    name: Annotated[str, msgspec.Meta(max_length=THREAD_NAME)]
+    main: bool
+    stack: Annotated[str, msgspec.Meta(max_length=STACK_TEXT)]
+
+
+class Stacks(_W, tag="stacks"):
+    """The answer to AskStacks: the stack of every thread (but the one answering), main first."""
+
+    request: RequestNumber
+    threads: Annotated[list[ThreadStack], msgspec.Meta(max_length=STACK_THREADS)]
+    omitted: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0  # threads left out (over STACK_THREADS)
+
+
+WorkerMessage = Hello | PhaseChanged | Heartbeat | Progress | Checkpointed | Result | Failure | Stacks
 
 
 # daemon -> worker
@@ -99,7 +121,13 @@ class Stop(_W, tag="stop"):
 
 
 class DumpStacks(_W, tag="dump"):
-    pass
+    """A hang: write every thread's stack into the rank log (and NCCL's flight recorder beside it)."""
 
 
-DaemonMessage = Assign | Stop | DumpStacks
+class AskStacks(_W, tag="ask_stacks"):
+    """Answer with a Stacks frame carrying `request`; the rank keeps running."""
+
+    request: RequestNumber
+
+
+DaemonMessage = Assign | Stop | DumpStacks | AskStacks

@@ -74,6 +74,15 @@ class Events(_Req, tag="events"):
     limit: Annotated[int, msgspec.Meta(ge=1, le=EVENTS_LIMIT)] | None = None
 
 
+class StacksReq(_Req, tag="stacks"):
+    """The current stack of every thread of the job's live ranks (or of `rank`), the job running on;
+    `native`: native frames too, with py-spy where the daemon has it."""
+
+    job_id: JobId
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)] | None = None
+    native: bool = False
+
+
 class Remove(_Req, tag="rm"):
     """Forget an ended job: its row, events, logs and checkpoints."""
 
@@ -93,7 +102,7 @@ class Reload(_Req, tag="reload"):
 
 
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload)
+           | Reload | StacksReq)
 
 
 class RequestEnvelope(msgspec.Struct):
@@ -240,3 +249,36 @@ class DaemonInfo(msgspec.Struct):
     free_cpu_slots: int | None = None
     free_gpus: int | None = None
     pool_ready: int | None = None
+
+
+class StackGroup(msgspec.Struct, omit_defaults=True):
+    """One stack (traceback text, innermost frame last) and the ranks whose thread `thread` has it."""
+
+    thread: str
+    ranks: list[int]
+    stack: str
+    main: bool = False
+
+
+class RankStacks(msgspec.Struct, omit_defaults=True):
+    """How one rank answered `stacks`: `answered` (its threads are in the groups), else `note` says why
+    not; `native` is py-spy's dump of it (asked for with `native`, or the fallback of a silent rank)."""
+
+    rank: int
+    state: str
+    answered: bool = False
+    pid: int | None = None
+    threads: int = 0
+    omitted: int = 0  # threads the rank left out of its answer
+    note: str | None = None
+    native: str | None = None
+
+
+class StacksResult(msgspec.Struct, omit_defaults=True):
+    """The stacks of a running attempt's ranks, identical stacks grouped (main threads first)."""
+
+    job_id: str
+    attempt: int
+    groups: list[StackGroup]
+    ranks: list[RankStacks]
+    note: str | None = None

@@ -1,5 +1,8 @@
 """An optional API for scripts run by ddpd (script mode); every function is a no-op elsewhere.
 
+A script's optimizer steps are counted without it (torch's global optimizer hook); `report`
+replaces that count with the script's own from its first call on (and adds the loss).
+
     from ddpd.worker import api
     for step in range(1, steps + 1):
         loss = train_one_step()
@@ -11,8 +14,6 @@
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-from ddpd.protocol.channel import PhaseChanged
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -36,10 +37,7 @@ def report(step: int, loss: Any = None) -> None:
     runtime = _runtime
     if runtime is None:
         return
-    if runtime.phase != "training":
-        runtime.phase = "training"
-        runtime.send(PhaseChanged(phase="training"))
-    runtime.progress(int(step), None if loss is None else float(loss))
+    runtime.report(int(step), None if loss is None else float(loss))
 
 
 def should_stop() -> bool:

@@ -22,12 +22,13 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ddpd.protocol.channel import Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
+from ddpd.protocol.channel import AskStacks, Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
 from ddpd.protocol.framing import PROTOCOL_VERSION
 from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
 from .runtime import Channel, Runtime
+from .stacks import current_stacks, dump_flight_recorder
 
 PR_SET_PDEATHSIG = 1
 
@@ -67,9 +68,45 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
                     runtime.stop_requested.set()
                 case DumpStacks():
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                    dump_hang_evidence()
+                case AskStacks(request=request):
+                    runtime.send(current_stacks(request))
     except Exception as exc:  # OSError, or a bug: either way nobody listens to the daemon any more
         why = f"channel error: {exc!r}"
     runtime.channel.daemon_gone(why)
+
+
+def dump_hang_evidence() -> None:
+    """A hang: NCCL's flight recorder too, beside the rank log (said in the log where it does not apply)."""
+    try:
+        note = dump_flight_recorder()
+    except OSError as exc:
+        note = f"flight recorder: cannot write its dump ({exc})"
+    print(f"ddpd: {note}", file=sys.stderr, flush=True)
+
+
+def watch_dump_signal() -> None:
+    """SIGUSR1 (the daemon's hang dump): faulthandler writes every thread's stack at once, even while
+    a C call holds the GIL; then the flight recorder is dumped from a thread of its own.
+
+    faulthandler chains to Python's own handler, which writes the signal's number to the wakeup
+    fd (from the signal handler, whatever the main thread does); `dump_signalled` reads it. A script
+    that sets its own wakeup fd (an asyncio loop) or SIGUSR1 handler takes this over: the daemon's
+    DumpStacks frame is the fallback.
+    """
+    read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    os.set_blocking(read_fd, True)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=True)
+    threading.Thread(target=dump_signalled, args=(read_fd,), name="ddpd-dump", daemon=True).start()
+
+
+def dump_signalled(read_fd: int) -> None:
+    """The dump thread: the hang evidence beyond the stacks, on each SIGUSR1 (other signals ignored)."""
+    while data := os.read(read_fd, 64):
+        if signal.SIGUSR1 in data:
+            dump_hang_evidence()
 
 
 def send_heartbeats(runtime: Runtime, interval: float) -> None:
@@ -147,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         os._exit(EXIT_ORPHANED)
     daemon_pgid = os.getpgid(args.parent)
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    watch_dump_signal()
 
     import torch
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from ddpd.protocol.channel import DaemonMessage, Progress, WorkerMessage
+from ddpd.protocol.channel import DaemonMessage, PhaseChanged, Progress, WorkerMessage
 from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
 from ddpd.protocol.worker import EXIT_DAEMON_GONE
 
@@ -85,6 +85,8 @@ class Runtime:
 
     `step` and `loss` are written by the main thread only (plain attribute writes are atomic
     under the GIL) and read by the heartbeat thread; `phase` names where a failure happened.
+    A script's steps are counted by `count_step` (its optimizer steps) until it calls `report`
+    itself (`reported`): from then on only its reports move the counter.
     """
 
     def __init__(self, channel: Channel) -> None:
@@ -93,6 +95,7 @@ class Runtime:
         self.step = 0
         self.loss: float | None = None
         self.phase = "starting"
+        self.reported = False
         # objects never to be freed before os._exit: destroying a DDP model after its process group
         # can block in native code, so the worker leaves without running those destructors
         self.keepalive: list[Any] = []
@@ -112,3 +115,22 @@ class Runtime:
         if self._progress_tokens >= 1.0:
             self._progress_tokens -= 1.0
             self.send(Progress(step=step, loss=loss))
+
+    def training(self) -> None:
+        """The first step is done: tell the daemon (the progress timeout applies from now on)."""
+        if self.phase != "training":
+            self.phase = "training"
+            self.send(PhaseChanged(phase="training"))
+
+    def report(self, step: int, loss: float | None) -> None:
+        """The script's own report (`api.report`): it wins over counted optimizer steps."""
+        self.reported = True
+        self.training()
+        self.progress(step, loss)
+
+    def count_step(self) -> None:
+        """One optimizer step of a script that does not report its steps itself."""
+        if self.reported:
+            return
+        self.training()
+        self.progress(self.step + 1, self.loss)

@@ -3,8 +3,14 @@
 The daemon has put torchrun's variables in the environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True, ...). The script runs as
 ``__main__`` with its own ``sys.argv``; ``init_process_group`` is wrapped so the daemon sees
-the rank join; a process group the script leaves behind is destroyed. Scripts may report
-progress with ``ddpd.worker.api.report``.
+the rank join; a process group the script leaves behind is destroyed.
+
+Progress without code changes: every ``optimizer.step()`` of any optimizer is counted (torch's
+global optimizer step hook), so the step counter, steps per second, the progress timeout and
+hang detection work for an unmodified script; its first counted step makes the rank TRAINING.
+A script that calls ``ddpd.worker.api.report`` is counted by its reports from then on. A script
+that never steps an optimizer (an evaluation) and never reports has no step counter: the
+progress timeout does not apply to it (the heartbeat and wall-time limits still do).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddpd.protocol.channel import Assign, PhaseChanged, Result
 
@@ -40,12 +47,22 @@ def wrap_init_process_group(runtime: Runtime) -> None:
     c10d.init_process_group = init_process_group
 
 
+def count_optimizer_steps(runtime: Runtime) -> Any:
+    """Count every optimizer step of the script (the hook's handle: `.remove()` stops it)."""
+
+    def counted(optimizer: Any, args: Any, kwargs: Any) -> None:
+        runtime.count_step()
+
+    return register_optimizer_step_post_hook(counted)
+
+
 def run_script(runtime: Runtime, assign: Assign) -> Result:
     spec = assign.spec
     if not spec.script:
         raise ValueError("script mode without a script")
     target, *args = spec.script
     wrap_init_process_group(runtime)
+    count_optimizer_steps(runtime)
     try:
         if spec.module:
             sys.argv = [target, *args]

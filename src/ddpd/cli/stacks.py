@@ -1,0 +1,63 @@
+"""`ddpctl stacks`: where every thread of a running job's ranks is, identical stacks shown once.
+
+Text output: a line per rank that did not answer (and py-spy's dump of it, where the daemon has
+py-spy), then each distinct stack under the ranks and the thread that share it, main threads
+first. JSON output: the daemon's result as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ddpd.client import Client, StacksResult
+
+from .output import note, print_json
+
+
+def rank_list(ranks: list[int]) -> str:
+    """`[0, 1, 2, 5]` -> "0-2,5"."""
+    parts: list[str] = []
+    start = prev = None
+    for r in sorted(ranks):
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def render(result: StacksResult) -> str:
+    lines: list[str] = []
+    for r in result.ranks:
+        if r.native is not None:
+            lines.append(f"== rank {r.rank} (pid {r.pid}) · py-spy ==")
+            lines.append(r.native.rstrip("\n"))
+            lines.append("")
+    for g in result.groups:
+        label = "rank" if len(g.ranks) == 1 else "ranks"
+        lines.append(f"== {label} {rank_list(g.ranks)} · thread {g.thread} ==")
+        lines.append(g.stack.rstrip("\n"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def show_stacks(client: Client, job_id: str, rank: int | None, native: bool, as_json: bool) -> None:
+    result = client.stacks(job_id, rank=rank, native=native)
+    if as_json:
+        print_json(result)
+        return
+    answered = [r.rank for r in result.ranks if r.answered]
+    note(f"job {result.job_id} attempt {result.attempt}: {len(answered)} of {len(result.ranks)} rank(s) answered")
+    for r in result.ranks:
+        if r.note:
+            note(f"rank {r.rank} ({r.state}): {r.note}", "yellow")
+        if r.omitted:
+            note(f"rank {r.rank}: {r.omitted} more thread(s) not shown")
+    if result.note:
+        note(result.note, "yellow")
+    sys.stdout.write(render(result))
+    sys.stdout.flush()
