@@ -78,6 +78,21 @@ async def test_jobs_ranks_attempts_and_events_round_trip(journal: Journal) -> No
     assert [e.seq for e in await journal.list_events(None, mine[0].seq, 1)] == [mine[1].seq]
 
 
+async def test_a_stored_spec_beyond_todays_bounds_fails_its_job_instead_of_stopping_recovery(
+        journal: Journal, db: StateDB) -> None:
+    """Bug guard: a row saved before the spec had bounds (a 700 KB name) stopped recovery on every start."""
+    queued, ended = make_job(1), make_job(2)
+    await journal.create_job(queued)
+    await journal.create_job(ended)
+    await journal.job_state(ended, JobState.CANCELLED, "by test")
+    big = '{"name": "' + "x" * 700_000 + '", "nproc": 2}'
+    await db.run(lambda conn: conn.execute("UPDATE jobs SET spec = ?", (big,)))
+    loaded = {j.id: j for j in await journal.load_jobs()}
+    assert loaded[queued.id].state is JobState.FAILED and loaded[queued.id].reason == "spec_unreadable"
+    assert loaded[queued.id].root_cause is not None and "bounds" in (loaded[queued.id].root_cause.detail or "")
+    assert loaded[ended.id].state is JobState.CANCELLED  # an ended job keeps its state
+
+
 async def test_delete_job_removes_every_row(journal: Journal, db: StateDB) -> None:
     job = make_job()
     await journal.create_job(job)

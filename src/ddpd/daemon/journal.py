@@ -22,6 +22,7 @@ import structlog
 
 from ..protocol import JobSpec, JobState, RankState, check_job_transition, check_rank_transition
 from ..protocol.control import EventView, RootCause
+from ..protocol.limits import clip_text
 from .bus import EventBus
 from .errors import StorageError
 from .records import Job, Rank
@@ -288,15 +289,28 @@ def rank_row(job_id: str, rank: Rank) -> dict[str, Any]:
     }
 
 
+def _stored_spec(raw: str) -> tuple[JobSpec, str | None]:
+    """The stored spec, or (an empty spec, why) when it no longer passes the spec's bounds (a row
+    written before they existed): recovery must not stop on one old row."""
+    try:
+        return msgspec.json.decode(raw, type=JobSpec), None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return JobSpec(), f"the stored spec no longer passes the spec's bounds: {clip_text(str(exc), 1000)}"
+
+
 def job_from_row(row: Any) -> Job:
+    spec, unreadable = _stored_spec(row["spec"])
     job = Job(
         id=row["id"], seq=row["seq"], name=row["name"], owner_uid=row["owner_uid"],
-        spec=msgspec.json.decode(row["spec"], type=JobSpec), state=JobState(row["state"]),
+        spec=spec, state=JobState(row["state"]),
         submitted_at=row["submitted_at"], attempt=row["attempt"], started_at=row["started_at"],
         finished_at=row["finished_at"], reason=row["reason"],
         root_cause=None if row["root_cause"] is None else msgspec.json.decode(row["root_cause"], type=RootCause),
         idempotency_key=row["idempotency_key"],
     )
+    if unreadable is not None and not job.state.final:  # never run a spec that is not the one submitted
+        job.state, job.reason = JobState.FAILED, "spec_unreadable"
+        job.root_cause = RootCause(reason="spec_unreadable", attempt=job.attempt, detail=unreadable)
     if job.state.final:
         job.finished.set()
     return job
