@@ -31,6 +31,7 @@ from .resources import Resources
 from .scheduler import Scheduler
 from .server import ControlServer, prepare_socket_path, secure_socket
 from .state import StateDB
+from .usertree import ensure_base
 
 log = structlog.get_logger("ddpd")
 
@@ -151,6 +152,7 @@ class Daemon:
     async def _serve(self, signals: Any, task_status: TaskStatus[None]) -> None:
         cfg = self.config
         db = await anyio.to_thread.run_sync(StateDB.open_dir, cfg.state_dir)  # StorageError: unusable
+        await anyio.to_thread.run_sync(ensure_base, cfg.state_dir)  # root's 0711; users/<uid>/ are the users'
         set_child_subreaper()
         gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
         bus = EventBus()

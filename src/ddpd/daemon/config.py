@@ -75,6 +75,11 @@ class Config:
     frame_timeout: float = 10.0  # a request frame must be complete within this many seconds of its first byte
     rank_frames_per_second: int = 2_000  # frames a rank may send per second (averaged); a flood fails the job
     rank_log_max: int = 256 * 1024 * 1024  # bytes of a rank log before it rotates (the newest part is kept)
+    # identity and containment (docs/identity.md)
+    allow_root_jobs: bool = False  # a root daemon refuses jobs of uid 0 unless this is set
+    admin_group: str | None = None  # members see every job's detail, as root does
+    cgroup: str = "auto"  # auto: one cgroup per attempt where cgroup v2 is writable; off: process groups only
+    interpreter_check_timeout: float = 60.0  # seconds the submit-time `import torch, ddpd.worker` may take
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
@@ -135,6 +140,11 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     frame_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     rank_frames_per_second: Count | msgspec.UnsetType = msgspec.UNSET
     rank_log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | msgspec.UnsetType = msgspec.UNSET
+    allow_root_jobs: bool | msgspec.UnsetType = msgspec.UNSET
+    admin_group: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | msgspec.UnsetType | None = (
+        msgspec.UNSET)
+    cgroup: Literal["auto", "off"] | msgspec.UnsetType = msgspec.UNSET
+    interpreter_check_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     defaults: DefaultsSchema | msgspec.UnsetType = msgspec.UNSET
 
 

@@ -18,7 +18,7 @@ import anyio.to_thread
 from ..protocol.channel import DumpStacks, Stop
 from . import procs
 from .clock import Clock, wait_until
-from .files import JobFileError, job_file_size, read_job_file
+from .files import JobFileError, Opener, job_file_size, read_job_file
 from .journal import Journal
 from .ranks import RankHandle
 from .records import Job
@@ -30,8 +30,10 @@ DUMP_READ_LIMIT = 1 << 20  # bytes of a rank log read for its stack dump
 
 
 class RankGang:
-    def __init__(self, job: Job, journal: Journal, clock: Clock, marker: bytes, start_ticks: int) -> None:
+    def __init__(self, job: Job, journal: Journal, clock: Clock, marker: bytes, start_ticks: int,
+                 opener: Opener | None = None) -> None:
         self.job, self.journal, self.clock = job, journal, clock
+        self.opener = opener  # opens a rank log safely in its owner's tree
         self.marker = marker  # DDPD_ATTEMPT=... as in /proc/PID/environ
         self.start_ticks = start_ticks
         self.handles: list[RankHandle] = []
@@ -90,13 +92,13 @@ class RankGang:
         if h.rank.log is None:
             return ""
         try:
-            data = await read_job_file(h.rank.log, start, DUMP_READ_LIMIT)
+            data = await read_job_file(h.rank.log, start, DUMP_READ_LIMIT, opener=self.opener)
         except (OSError, JobFileError):  # a FIFO, a symlink, a slow file: no dump to read
             return ""
         return data.decode("utf-8", "replace")
 
     async def _size(self, h: RankHandle) -> int:
-        return 0 if h.rank.log is None else await job_file_size(h.rank.log)
+        return 0 if h.rank.log is None else await job_file_size(h.rank.log, opener=self.opener)
 
     async def _await_dumps(self, handles: list[RankHandle], sizes: dict[int, int]) -> None:
         """Bounded: faulthandler answers nothing, so watch the logs until each holds a whole

@@ -34,6 +34,7 @@ from .records import Job, job_dir
 from .resources import Resources
 from .retention import Retention
 from .table import JobTable
+from .usertree import remove_job_dir
 
 log = structlog.get_logger("ddpd")
 
@@ -129,8 +130,10 @@ class Scheduler:
             if key is not None:
                 del self._pending_keys[key]
             done.set()
+        # never an environment value in the journal: the interpreter and what --export named at most
+        shape: dict[str, Any] = {"python": spec.python, "export": spec.export} if spec.python else {}
         await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
-                                 task=spec.task, script=spec.script)
+                                 task=spec.task, script=spec.script, **shape)
         self._notify()
         return job, False
 
@@ -265,8 +268,12 @@ class Scheduler:
         """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
         await self.journal.delete_job(job.id)
         self.table.forget(job, deleted=True)
-        path = job_dir(self.config.state_dir, job.id)
+        path = job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
+        try:
+            await anyio.to_thread.run_sync(remove_job_dir, self.config.state_dir, job.owner_uid, job.id)
+        except OSError as exc:  # a symlink or a foreign directory planted on the way: left, reported
+            log.warning("job.files_not_removed", job_id=job.id, error=str(exc))
 
     # -- shutdown --------------------------------------------------------------------------
 

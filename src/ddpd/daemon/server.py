@@ -21,7 +21,17 @@ import structlog
 from anyio.abc import SocketAttribute, SocketStream
 
 from .. import __version__
-from ..protocol import MAX_REQUEST, PROTOCOL_VERSION, Decoder, ErrorCode, FrameError, SpecError, check_spec, encode
+from ..protocol import (
+    MAX_REQUEST,
+    PROTOCOL_VERSION,
+    Decoder,
+    ErrorCode,
+    FrameError,
+    JobSpec,
+    SpecError,
+    check_spec,
+    encode,
+)
 from ..protocol.control import (
     LIST_LIMIT,
     Cancel,
@@ -49,8 +59,11 @@ from ..protocol.control import (
     reply_id,
 )
 from ..protocol.limits import clip_text
+from ..protocol.spec import reserved_env
 from .config import ConfigError
 from .errors import DaemonError
+from .identity import Identity, UnknownUser, check_serves, job_environment
+from .interpreters import InterpreterChecks
 from .records import Job
 from .replies import clip_event, fit_view, job_page
 from .requests import FrameReader, ReadTimeout
@@ -122,6 +135,7 @@ class ControlServer:
         self.scheduler = scheduler
         self.info = info
         self.reload = reload
+        self.interpreters = InterpreterChecks()
         self.connections = 0
         self.refused = 0  # connections refused for max_connections since start
         self._refusal_logged = float("-inf")
@@ -230,8 +244,32 @@ class ControlServer:
                                f"job {job_id} belongs to uid {job.owner_uid}; only it or root may {what} it")
         return job
 
+    async def _identity(self, uid: int) -> Identity:
+        try:
+            return await anyio.to_thread.run_sync(Identity.of, uid)
+        except UnknownUser as exc:
+            raise RequestError(ErrorCode.PERMISSION_DENIED, str(exc)) from None
+
+    async def _check_submitter(self, spec: JobSpec, uid: int) -> None:
+        """Who may submit (check_serves) and whether the job's interpreter runs for them (BAD_SPEC `python`)."""
+        cfg = self.scheduler.config
+        refusal = check_serves(os.geteuid(), uid, cfg.allow_root_jobs)
+        if refusal is not None:
+            raise RequestError(ErrorCode.PERMISSION_DENIED, refusal)
+        if spec.python is None:
+            return  # an older client: the daemon's interpreter, as before
+        identity = await self._identity(uid)
+        exported = {k: v for k, v in (spec.environ or {}).items() if not reserved_env(k)}
+        env = job_environment(identity, exported, spec.env, {})
+        reason = await self.interpreters.refusal(identity, spec.python, env, cfg.interpreter_check_timeout)
+        if reason is not None:
+            raise SpecError("python", reason)
+
     async def _dispatch(self, req: Request, uid: int) -> AsyncIterator[Reply]:
         rid = req.id
+        if os.geteuid() != 0 and uid != os.geteuid():  # a per-user daemon serves its own uid only
+            refusal = check_serves(os.geteuid(), uid, self.scheduler.config.allow_root_jobs)
+            raise RequestError(ErrorCode.PERMISSION_DENIED, refusal or "not served")
         match req:
             case HelloReq(version=version):
                 if version != PROTOCOL_VERSION:
@@ -241,7 +279,9 @@ class ControlServer:
             case Submit(spec=spec, idempotency_key=key):
                 if not self.scheduler.accepting:
                     raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                job, existing = await self.scheduler.submit(check_spec(spec), uid, idempotency_key=key)
+                spec = check_spec(spec)
+                await self._check_submitter(spec, uid)
+                job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
                 yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
                 yield Ok(id=rid, result=fit_view((await self._job(job_id)).view()))
