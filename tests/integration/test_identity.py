@@ -180,3 +180,42 @@ async def test_an_interpreter_without_ddpd_is_refused_at_submit(
         done = await as_user(ann, d, "submit", "--python", str(public_tmp / "missing"), "--", SHOW)
         assert done.returncode != 0 and "does not exist" in done.stderr.decode()
         assert await d.client.list_jobs() == []
+
+
+async def test_other_users_see_that_a_job_exists_and_nothing_more(
+    users: tuple[Identity, Identity], public_tmp: Path
+) -> None:
+    ann, bob = users
+    async with shared_daemon(public_tmp) as d:
+        job_id = await submit_as(ann, d, "--name", "ann-secret-name", "--python", USER_PYTHON,
+                                 "--env", "EXTRA_SETTING=ann-token", "--", SHOW, "--secret-arg",
+                                 MY_SETTING="exported-token")
+        with anyio.fail_after(TIMEOUT):
+            assert (await d.client.wait(job_id)).state == "SUCCEEDED"
+        # bob sees the job in ls and status: id, owner, state, resources; no name, spec text or ranks
+        done = await as_user(bob, d, "ls", "-o", "json")
+        assert done.returncode == 0, done.stderr.decode()
+        (listed,) = [j for j in json.loads(done.stdout) if j["id"] == job_id]
+        done = await as_user(bob, d, "status", job_id, "-o", "json")
+        assert done.returncode == 0, done.stderr.decode()
+        for view in (listed, json.loads(done.stdout)):
+            assert (view["owner_uid"], view["state"], view["spec"].get("nproc", 1)) == (ann.uid, "SUCCEEDED", 1)
+            assert view["name"] == "" and view["ranks"] == [] and view["spec"].get("script") is None
+            text = json.dumps(view)
+            assert "secret" not in text and "token" not in text and "show_identity" not in text
+        # nor its logs or events
+        for op in ("logs", "events"):
+            done = await as_user(bob, d, op, job_id)
+            assert done.returncode != 0 and "permission_denied" in done.stderr.decode(), (op, done.stderr.decode())
+        done = await as_user(bob, d, "events", "-o", "json")
+        assert done.returncode == 0, done.stderr.decode()
+        assert job_id not in done.stdout.decode()
+        # ann sees her job whole, with no environment values in any view
+        done = await as_user(ann, d, "status", job_id, "-o", "json")
+        mine = json.loads(done.stdout)
+        assert mine["name"] == "ann-secret-name" and mine["spec"]["script"] == [SHOW, "--secret-arg"]
+        assert mine["spec"]["env"] == {"EXTRA_SETTING": "ann-token"} and mine["spec"].get("environ") is None
+        assert mine["spec"]["export"] == "ALL" and "exported-token" not in done.stdout.decode()
+        done = await as_user(ann, d, "events", "-o", "json")
+        assert job_id in done.stdout.decode() and "exported-token" not in done.stdout.decode()
+        assert (await d.client.status(job_id)).name == "ann-secret-name"  # root sees it all

@@ -65,10 +65,11 @@ from .errors import DaemonError
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
 from .records import Job
-from .replies import clip_event, fit_view, job_page
+from .replies import Detail, clip_event, fit_view, job_page, visible_view
 from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
 from .streams import job_events, log_chunks
+from .visibility import detail_for, not_yours, visible_events
 
 log = structlog.get_logger("ddpd")
 
@@ -250,6 +251,16 @@ class ControlServer:
         except UnknownUser as exc:
             raise RequestError(ErrorCode.PERMISSION_DENIED, str(exc)) from None
 
+    async def _detail(self, uid: int) -> Detail:
+        return await detail_for(uid, self.scheduler.config.admin_group)
+
+    async def _detailed(self, job_id: str, uid: int, what: str) -> Job:
+        """The job, if `uid` may see its detail (`what`: its logs, its events); else PERMISSION_DENIED."""
+        job = await self._job(job_id)
+        if not (await self._detail(uid))(job.owner_uid):
+            raise RequestError(ErrorCode.PERMISSION_DENIED, not_yours(job, what))
+        return job
+
     async def _check_submitter(self, spec: JobSpec, uid: int) -> None:
         """Who may submit (check_serves) and whether the job's interpreter runs for them (BAD_SPEC `python`)."""
         cfg = self.scheduler.config
@@ -284,27 +295,30 @@ class ControlServer:
                 job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
                 yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
-                yield Ok(id=rid, result=fit_view((await self._job(job_id)).view()))
+                job = await self._job(job_id)
+                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
             case ListJobs(all=all_jobs, limit=limit, before=before):
                 limit = min(limit, LIST_LIMIT)
                 jobs = await self.scheduler.page(limit + 1, before, active=not all_jobs)
-                yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before))
+                yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before,
+                                                 detail=await self._detail(uid)))
             case Cancel(job_id=job_id, force=force):
                 yield Ok(id=rid, result=await self._cancel(await self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):
                 job = await self._job(job_id)
                 await job.finished.wait()
-                yield Ok(id=rid, result=fit_view(job.view()))
+                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
             case Logs(job_id=job_id, rank=rank):
-                job = await self._job(job_id)
+                job = await self._detailed(job_id, uid, "logs")
                 if rank is not None and not 0 <= rank < job.spec.nproc:
                     raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
                 async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)
             case Events(job_id=job_id):
-                job_or_all = (await self._job(job_id)) if job_id else None
-                async for event in job_events(self.scheduler.journal, job_or_all, req):
+                events = (job_events(self.scheduler.journal, await self._detailed(job_id, uid, "events"), req)
+                          if job_id else visible_events(self.scheduler, req, uid, await self._detail(uid)))
+                async for event in events:
                     yield Item(id=rid, item=clip_event(event))
                 yield End(id=rid)
             case Remove(job_id=job_id):
