@@ -32,6 +32,7 @@ from ..protocol.control import RootCause
 from ..protocol.limits import clip_text
 from ..protocol.worker import attempt_marker, marker_entry
 from . import procs
+from .cgroups import AttemptCgroup, Subtree
 from .clock import Clock, RealClock, wait_until
 from .config import Config
 from .deadlines import Limits, Watch, check
@@ -60,8 +61,9 @@ def boot_ticks() -> int:
 
 class Attempt:
     def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
-                 pool: WarmPool | None = None, clock: Clock | None = None) -> None:
+                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None) -> None:
         self.config = config
+        self.subtree = subtree  # the daemon's cgroup subtree: each attempt gets a cgroup of its own there
         self.pool = pool  # the daemon's warm pool, None when it keeps none
         self.journal = journal
         self.job = job
@@ -204,9 +206,12 @@ class Attempt:
             self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
                 reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
             return
-        # the row and its marker first: a daemon killed mid-spawn finds this attempt's processes on restart
+        cgroup = await self._create_cgroup()
+        if self.gang.cgroup is not None:
+            launcher.place = self.gang.cgroup.add
+        # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
-                                        token=self.token)
+                                        token=self.token, cgroup=cgroup)
         for r in range(job.spec.nproc):
             if self.outcome is not None:
                 return
@@ -233,7 +238,21 @@ class Attempt:
             tg.start_soon(self._rank_tasks, h)
             if first:
                 await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=launcher.rdzv.port,
-                                                token=self.token)
+                                                token=self.token, cgroup=cgroup)
+
+    async def _create_cgroup(self) -> str | None:
+        """The attempt's cgroup under the daemon's subtree (its path), or None: without one, the ranks
+        are contained by their process group and marker alone (logged as `cgroup.attempt_failed`)."""
+        if self.subtree is None:
+            return None
+        try:
+            cg = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                                                f"{self.job.id}-a{self.number}")
+        except OSError as exc:
+            self.log.warning("cgroup.attempt_failed", error=str(exc))
+            return None
+        self.gang.cgroup = cg
+        return str(cg.path)
 
     def _prepare_dirs(self) -> None:
         """The attempt's directory and the job's checkpoints, its owner's (blocking: from a thread)."""

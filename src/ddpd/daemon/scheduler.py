@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,15 +26,17 @@ from ..protocol.worker import marker_entry
 from . import lifecycle
 from .admission import admit, check_key, check_limits
 from .attempt import Attempt, Outcome
+from .cgroups import AttemptCgroup, Subtree
 from .config import Config
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
 from .pool import WarmPool
-from .procs import find_members, proc_environ_has
+from .procs import find_members, proc_environ_has, reap_children
 from .records import Job, job_dir
 from .resources import Resources
 from .retention import Retention
 from .table import JobTable
+from .teardown import UNKILLABLE_WAIT
 from .usertree import remove_job_dir
 
 log = structlog.get_logger("ddpd")
@@ -41,9 +44,10 @@ log = structlog.get_logger("ddpd")
 
 class Scheduler:
     def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, subtree: Subtree | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.subtree = subtree  # where attempts get their cgroups; None: process groups and markers only
         self.journal = journal
         self.resources = resources
         self.clock = clock  # wall-clock time (retention is counted in it)
@@ -210,7 +214,7 @@ class Scheduler:
             job.ranks = []
             job.root_cause = None
             await self.journal.job_state(job, JobState.STARTING, f"attempt {job.attempt}")
-            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool)
+            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool, subtree=self.subtree)
             self.attempts[job.id] = attempt
             if job.cancel_requested:
                 attempt.request_cancel(job.cancel_requested, force=False)
@@ -309,12 +313,32 @@ class Scheduler:
 
     async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
         killed: list[int] = []
+        for path in await self.journal.attempt_cgroups(job.id, job.attempt):  # the cgroup first: it misses nothing
+            killed += await anyio.to_thread.run_sync(_kill_cgroup, path)
         for token in await self.journal.attempt_tokens(job.id, job.attempt):
             marker = marker_entry(job.id, job.attempt, token)
             killed += await anyio.to_thread.run_sync(_kill_marked, marker)
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
         return killed
+
+
+def _kill_cgroup(path: str) -> list[int]:
+    """Blocking: SIGKILL every process left in an attempt's cgroup (cgroup.kill), then remove it."""
+    cg = AttemptCgroup(Path(path))
+    try:
+        if not cg.path.exists():
+            return []
+        pids = cg.pids()
+        if cg.kill(UNKILLABLE_WAIT):
+            cg.remove()
+        else:
+            log.warning("cgroup.not_emptied", cgroup=path, pids=cg.pids())
+    except OSError as exc:
+        log.warning("cgroup.recovery_failed", cgroup=path, error=str(exc))
+        return []
+    reap_children(pids)
+    return pids
 
 
 def _kill_marked(marker: bytes) -> list[int]:
