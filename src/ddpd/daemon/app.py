@@ -41,7 +41,7 @@ log = structlog.get_logger("ddpd")
 _ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "pool_size")
+                 "metrics_token", "pool_size", "cgroup")
 
 
 async def _count_gpus() -> int:
