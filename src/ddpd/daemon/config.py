@@ -67,6 +67,7 @@ class Config:
     # limits (issue: nothing a client or a job sends is unbounded)
     max_queued: int = 10_000  # jobs waiting in the queue, all users together
     max_queued_per_user: int = 1_000
+    max_gpus_per_user: int | None = None  # GPUs one user's running jobs may hold together; None: no limit
     priority_range: tuple[int, int] = (-1000, 1000)  # the band a job's priority must lie in
     max_kill_grace: float = 60.0  # a job's kill_grace at most (keep under the unit's TimeoutStopSec)
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
@@ -132,6 +133,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     metrics_token_file: Text | msgspec.UnsetType | None = msgspec.UNSET
     max_queued: Count | msgspec.UnsetType = msgspec.UNSET
     max_queued_per_user: Count | msgspec.UnsetType = msgspec.UNSET
+    max_gpus_per_user: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | msgspec.UnsetType | None = msgspec.UNSET
     priority_range: tuple[Priority, Priority] | msgspec.UnsetType = msgspec.UNSET
     max_kill_grace: Annotated[float, msgspec.Meta(gt=0, le=DAY)] | msgspec.UnsetType = msgspec.UNSET
     retention: Annotated[float, msgspec.Meta(ge=0, le=100 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET

@@ -24,7 +24,7 @@ from ..protocol import JobSpec, JobState
 from ..protocol.control import RootCause
 from ..protocol.worker import marker_entry
 from . import lifecycle
-from .admission import admit, check_key, check_limits
+from .admission import admit, check_key, check_limits, over_user_gpus
 from .attempt import Attempt, Outcome
 from .cgroups import AttemptCgroup, Subtree
 from .config import Config
@@ -181,6 +181,8 @@ class Scheduler:
                     continue  # started, not yet STARTING
                 if len(self.running) >= self.config.max_running:
                     break
+                if over_user_gpus(self.config, (j for j in self.unended.values() if j.id in self.running), job):
+                    continue  # its owner's limit, not the machine's: others' jobs may pass it
                 gpus = self.resources.take(job.spec)
                 if gpus is None:
                     break
