@@ -219,3 +219,24 @@ async def test_other_users_see_that_a_job_exists_and_nothing_more(
         done = await as_user(ann, d, "events", "-o", "json")
         assert job_id in done.stdout.decode() and "exported-token" not in done.stdout.decode()
         assert (await d.client.status(job_id)).name == "ann-secret-name"  # root sees it all
+
+
+async def test_a_pooled_interpreter_never_serves_another_user(
+    users: tuple[Identity, Identity], public_tmp: Path
+) -> None:
+    """The warm pool's interpreters are the daemon's (its user, interpreter and environment): a job
+    submitted with its own user, interpreter or environment starts cold, and the pool keeps its worker."""
+    ann, _ = users
+    async with shared_daemon(public_tmp, "--pool-size", "1") as d:
+        ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready", TIMEOUT)
+        pooled = int(ready["pid"])
+        job_id = await submit_as(ann, d, "--python", USER_PYTHON, "--", SHOW)
+        with anyio.fail_after(TIMEOUT):
+            view = await d.client.wait(job_id)
+        assert view.state == "SUCCEEDED", view.root_cause
+        assert [r.pid for r in view.ranks] != [pooled]
+        spawned = [e for e in [e async for e in d.client.events(job_id)] if e.kind == "rank.spawned"]
+        assert spawned and not any(e.data.get("pooled") for e in spawned)
+        os.kill(pooled, 0)  # still there, still the daemon's, for the daemon's own kind of job
+        assert os.stat(f"/proc/{pooled}").st_uid == os.geteuid()
+        assert (await d.client.daemon_info()).pool_ready == 1
