@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -24,10 +25,10 @@ from typing import Any
 import anyio
 import pytest
 
-from ddpd.client import JobView
+from ddpd.client import AsyncClient, JobSpec, JobView, RemoteError
 from ddpd.daemon.identity import Identity
 
-from ..conftest import REPO, DaemonProc, assert_nothing_left, start_daemon, stop_daemon
+from ..conftest import REPO, DaemonProc, assert_gone, assert_nothing_left, start_daemon, stop_daemon
 from ..scripts.userpython import USER_PYTHON, user_env, why_unusable
 
 pytestmark = [
@@ -240,3 +241,52 @@ async def test_a_pooled_interpreter_never_serves_another_user(
         os.kill(pooled, 0)  # still there, still the daemon's, for the daemon's own kind of job
         assert os.stat(f"/proc/{pooled}").st_uid == os.geteuid()
         assert (await d.client.daemon_info()).pool_ready == 1
+
+
+async def test_a_per_user_daemon_serves_its_own_user_only(
+    users: tuple[Identity, Identity], public_tmp: Path
+) -> None:
+    """A daemon that is not root cannot switch users: it runs its user's jobs as that user and
+    tells anyone else (root included) that it serves that user only."""
+    ann, bob = users
+    home = public_tmp / "ann"
+    home.mkdir()
+    os.chown(home, ann.uid, ann.gid)
+    config = home / "ddpd.toml"
+    config.write_text('socket_mode = "0666"\n')
+    os.chown(config, ann.uid, ann.gid)
+    sock, state = home / "ddpd.sock", home / "state"
+    argv = [USER_PYTHON, "-m", "ddpd.daemon", "serve", "--socket", str(sock), "--state-dir", str(state),
+            "--config", str(config), "--log-format", "json", "--gpus", "0"]
+    async with anyio.create_task_group() as tg:
+        proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=str(home),
+                                        env=user_env(HOME=str(home)), user=ann.uid, group=ann.gid,
+                                        extra_groups=list(ann.groups))
+        d = DaemonProc(socket=sock, state_dir=state, proc=proc, client=AsyncClient(sock))
+        tg.start_soon(d._pump)
+        try:
+            await d.wait_log(lambda e: e.get("event") == "daemon.ready", 60)
+            assert any(e.get("event") == "cgroup.unavailable" for e in d.logs)  # not root: no cgroup of its own here
+            done = await as_user(bob, d, "ping")
+            assert done.returncode != 0
+            err = done.stderr.decode()
+            assert "permission_denied" in err and f"runs as uid {ann.uid} and serves that user only" in err, err
+            with pytest.raises(RemoteError) as refused:
+                await d.client.submit(JobSpec(task="two-layer"))
+            assert refused.value.code == "permission_denied"
+            job_id = await submit_as(ann, d, "--python", USER_PYTHON, "--", SHOW)
+            done = await as_user(ann, d, "wait", job_id, "-o", "json")
+            assert json.loads(done.stdout)["state"] == "SUCCEEDED", done.stdout.decode()
+            done = await as_user(ann, d, "logs", job_id, "--no-prefix")
+            (seen,) = reports(done.stdout.decode())
+            assert (seen["uid"], seen["gid"], seen["env"]["HOME"]) == (ann.uid, ann.gid, ann.home)
+            done = await as_user(ann, d, "status", job_id, "-o", "json")
+            pids = [r["pid"] for r in json.loads(done.stdout)["ranks"]]
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(60):
+                assert await proc.wait() == 0
+            tg.cancel_scope.cancel()
+    for pid in pids:
+        assert_gone(pid)
