@@ -290,3 +290,28 @@ async def test_a_per_user_daemon_serves_its_own_user_only(
             tg.cancel_scope.cancel()
     for pid in pids:
         assert_gone(pid)
+
+
+OLD_CLIENT = """
+import sys
+from ddpd.client import Client, JobSpec, RemoteError
+try:
+    Client(sys.argv[1]).submit(JobSpec(task="two-layer", steps=1))
+except RemoteError as exc:
+    print(exc.code, exc.message)
+"""
+
+
+async def test_an_older_client_of_another_user_is_refused_when_the_daemons_interpreter_is_closed_to_them(
+    users: tuple[Identity, Identity], public_tmp: Path
+) -> None:
+    """A client that sends no interpreter gets the daemon's; as another user, that one is checked at submit."""
+    ann, _ = users
+    async with shared_daemon(public_tmp) as d:
+        done = await anyio.run_process([USER_PYTHON, "-c", OLD_CLIENT, str(d.socket)], check=False,
+                                       user=ann.uid, group=ann.gid, extra_groups=[], cwd="/",
+                                       env=user_env(HOME="/tmp"))
+        out = done.stdout.decode()
+        if not out:  # the daemon's interpreter is open to every user here: the job was accepted
+            pytest.skip(f"the daemon's interpreter ({sys.executable}) is reachable by {ann.name} here")
+        assert out.startswith("bad_spec python: python ") and "is not executable by user" in out, out

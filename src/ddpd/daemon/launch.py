@@ -168,6 +168,8 @@ class Launcher:
     def assignment(self, h: RankHandle, pgid: int) -> Assign:
         rank = h.rank
         spec = self.job.spec
+        if spec.environ is not None:  # the rank runs in it already: no need to carry it again
+            spec = msgspec.structs.replace(spec, environ=None)
         env: dict[str, str] = {}
         if h.pooled:  # started before the job: it gets what its environment lacks, and the job's directory
             env = {k: v for k, v in self.env(rank.rank).items() if self.base.get(k) != v}

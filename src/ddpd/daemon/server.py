@@ -13,6 +13,7 @@ import grp
 import os
 import socket
 import struct
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -267,12 +268,16 @@ class ControlServer:
         refusal = check_serves(os.geteuid(), uid, cfg.allow_root_jobs)
         if refusal is not None:
             raise RequestError(ErrorCode.PERMISSION_DENIED, refusal)
-        if spec.python is None:
-            return  # an older client: the daemon's interpreter, as before
+        python = spec.python
+        if python is None and os.geteuid() == 0 and uid != 0 and not cfg.worker_command:
+            python = sys.executable  # an older client of another user: its ranks run the daemon's, as that user
+        if python is None:
+            return  # an older client of the daemon's own user: the daemon's interpreter, as before
         identity = await self._identity(uid)
-        exported = {k: v for k, v in (spec.environ or {}).items() if not reserved_env(k)}
+        exported = {k: v for k, v in (os.environ if spec.environ is None else spec.environ).items()
+                    if not reserved_env(k)}
         env = job_environment(identity, exported, spec.env, {})
-        reason = await self.interpreters.refusal(identity, spec.python, env, cfg.interpreter_check_timeout)
+        reason = await self.interpreters.refusal(identity, python, env, cfg.interpreter_check_timeout)
         if reason is not None:
             raise SpecError("python", reason)
 
