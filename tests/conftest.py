@@ -128,7 +128,7 @@ class DaemonProc:
 
 def daemon_argv(socket_path: Path, state_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ddpd.daemon", "serve", "--socket", str(socket_path),
-            "--state-dir", str(state_dir), "--log-format", "json", *extra]
+            "--state-dir", str(state_dir), "--log-format", "json", "--allow-root-jobs", *extra]
 
 
 async def start_daemon(

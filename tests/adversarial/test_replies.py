@@ -85,8 +85,8 @@ async def test_cancel_says_what_it_did(door: DaemonProc) -> None:
 
 async def test_a_fifo_in_place_of_a_rank_log_is_reported(door: DaemonProc) -> None:
     view = await door.run(door.spec(task="two-layer", nproc=2, steps=1))
-    log0 = door.state_dir / "jobs" / view.id / f"attempt-{view.attempt}" / "rank-0.log"
-    log0.unlink()
+    log0 = view.ranks[0].log or ""  # <state_dir>/users/<uid>/jobs/<job>/attempt-<n>/rank-0.log
+    os.unlink(log0)
     os.mkfifo(log0)
     with anyio.fail_after(20):
         replies = await send_raw(door.client, b'{"op":"logs","id":4,"job_id":"' + view.id.encode() + b'"}\n')

@@ -19,6 +19,7 @@ from ddpd.protocol import JobState
 
 from ..conftest import REPO, DaemonProc, running_daemon
 from ..scripts.helpers import gated, wait_waiting_at_gate
+from ..scripts.userpython import USER_PYTHON, user_env, why_unusable
 
 pytestmark = [
     pytest.mark.anyio,
@@ -34,7 +35,7 @@ async def as_nobody(d: DaemonProc, *args: str) -> subprocess.CompletedProcess[by
             "--socket", str(d.socket), *args]
     with anyio.fail_after(120):
         return await anyio.run_process(argv, check=False, stdin=subprocess.DEVNULL, cwd=str(REPO),
-                                       env={**os.environ, "HOME": "/tmp", "COLUMNS": "200"})
+                                       env=user_env(HOME="/tmp", COLUMNS="200"))
 
 
 def _config(base: Path, text: str) -> Path:
@@ -45,6 +46,8 @@ def _config(base: Path, text: str) -> Path:
 
 
 async def test_only_the_owner_or_root_may_cancel(short_tmp: Path) -> None:
+    if (why := why_unusable()) is not None:
+        pytest.skip(why)
     gate = short_tmp / "gate"
     config = _config(short_tmp, 'socket_mode = "0666"\n')
     async with running_daemon(short_tmp, "--config", str(config), "--cpu-slots", "1", "--gpus", "0") as d:
@@ -52,10 +55,11 @@ async def test_only_the_owner_or_root_may_cancel(short_tmp: Path) -> None:
         mine = await d.client.submit(gated(d, gate, name="root's"))
         await wait_waiting_at_gate(d, mine)
         # nobody's jobs wait behind it (one CPU slot)
-        done = await as_nobody(d, "submit", "--name", "nobody's", "--workdir", str(REPO))
+        # the interpreter nobody's shell would run (the suite's own is closed to nobody)
+        done = await as_nobody(d, "submit", "--name", "nobody's", "--workdir", str(REPO), "--python", USER_PYTHON)
         assert done.returncode == 0, done.stderr.decode()
         theirs = done.stdout.decode().strip()
-        done = await as_nobody(d, "submit", "--name", "nobody's 2", "--workdir", str(REPO))
+        done = await as_nobody(d, "submit", "--name", "nobody's 2", "--workdir", str(REPO), "--python", USER_PYTHON)
         theirs2 = done.stdout.decode().strip()
 
         done = await as_nobody(d, "ls", "-o", "json")

@@ -539,8 +539,12 @@ def test_unit_files_say_what_the_service_needs() -> None:
     service = _directives(SYSTEMD / "ddpd.service")
     for key, value in {"Type": "notify", "NotifyAccess": "main", "Restart": "on-failure", "KillMode": "mixed",
                        "RuntimeDirectory": "ddpd", "StateDirectory": "ddpd", "LogsDirectory": "ddpd",
-                       "User": "ddpd", "Group": "ddpd", "DevicePolicy": "closed"}.items():
+                       "DevicePolicy": "closed", "Delegate": "yes", "ProtectControlGroups": "no",
+                       "StateDirectoryMode": "0711", "UMask": "0077", "NoNewPrivileges": "yes"}.items():
         assert service.get(key) == [value], key
+    # root, so that each rank runs as its submitter (docs/identity.md)
+    assert "User" not in service and "Group" not in service
+    assert {"CAP_SETUID", "CAP_SETGID", "CAP_KILL"} <= set(service["CapabilityBoundingSet"][0].split())
     assert "PrivateDevices" not in service  # it would hide /dev/nvidia*
     assert "char-nvidia-frontend rw" in service["DeviceAllow"]
     assert int(service["WatchdogSec"][0]) >= 10

@@ -2,17 +2,23 @@
 
 Relative paths mean what they mean in the submitter's shell: the working directory defaults to
 ddpctl's own, and a script path that names a file here is made absolute.
+
+The ranks run as they would from this shell (Slurm's `--export`): the interpreter ddpctl runs
+under (`sys.executable`, or `--python PATH`) and the environment `--export` selects (`ALL`, the
+default; `NONE`; or a comma-separated list of names), with `--env K=V` on top.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import msgspec
 
 from ddpd.client import BUILTIN_TASKS, JobSpec, build_spec
 
@@ -28,6 +34,7 @@ _TIMEOUTS = {
     "kill_grace": "kill_grace",
     "stop_warning": "stop_warning",
 }
+ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
           "checkpoint_every", "priority")
 
@@ -90,6 +97,23 @@ _OPTIONS: list[Callable[[F], F]] = [
         "[default: the current directory].",
     ),
     click.option(
+        "--python",
+        "python",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        metavar="PATH",
+        help="Interpreter every rank runs; it must import torch and ddpd [default: the one running ddpctl].",
+    ),
+    click.option(
+        "--export",
+        "export",
+        default="ALL",
+        show_default=True,
+        metavar="ALL|NONE|NAME,...",
+        help="Environment the ranks get from this shell: all of it, none, or the named variables "
+        "(--env pairs and HOME/USER/LOGNAME/SHELL of the submitter are added either way).",
+    ),
+    click.option(
         "--option", "options", multiple=True, metavar="K=V", help="Task option; numbers and true/false are typed."
     ),
     click.option(
@@ -121,6 +145,9 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
         fields["timeouts"] = timeouts
     if values.get("env"):
         fields["env"] = dict(pairs("--env", values["env"]))
+    python = values.get("python")
+    fields["python"] = os.path.abspath(python if python is not None else sys.executable)
+    fields["export"], fields["environ"] = exported(str(values.get("export") or "ALL"), os.environ)
     if values.get("options"):
         fields["options"] = {key: typed_value(value) for key, value in pairs("--option", values["options"])}
     module = bool(values.get("module"))
@@ -137,3 +164,24 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     elif module:
         raise click.UsageError("-m needs a module name after `--`")
     return build_spec(fields)
+
+
+def exported(export: str, environ: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """`--export`'s spelling as sent, and the variables it selects from `environ`."""
+    text = export.strip()
+    if text.upper() == "ALL":
+        chosen, text = dict(environ), "ALL"
+    elif text.upper() == "NONE":
+        chosen, text = {}, "NONE"
+    else:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        if not names:
+            raise click.BadParameter("give ALL, NONE or a comma-separated list of names", param_hint="--export")
+        chosen = {name: environ[name] for name in names if name in environ}
+        text = ",".join(names)
+    size = len(msgspec.json.encode(chosen))
+    if size > ENVIRON_BUDGET:
+        raise click.BadParameter(
+            f"the environment to export is {size} bytes, more than a submit may carry ({ENVIRON_BUDGET}); "
+            "name the variables the job needs (--export NAME,...)", param_hint="--export")
+    return text, chosen

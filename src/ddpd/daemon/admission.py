@@ -43,6 +43,11 @@ async def admit(spec: JobSpec, config: Config, resources: Resources) -> JobSpec:
     await anyio.to_thread.run_sync(check_paths, spec)
     if spec.device == "cuda" and resources.total_gpus == 0:
         raise SpecError("device", "cuda was asked for but the daemon has no GPUs")
+    limit = config.max_gpus_per_user
+    gpus, _ = resources.need(spec)
+    if limit is not None and gpus > limit:
+        raise SpecError("gpus_per_rank", f"can never run here: the job needs {gpus} GPUs and one user may hold "
+                                         f"{limit} at once (max_gpus_per_user)")
     problem = resources.can_ever_fit(spec)
     if problem:
         raise SpecError("nproc" if "CPU" in problem else "gpus_per_rank", f"can never run here: {problem}")
@@ -58,6 +63,19 @@ def check_limits(config: Config, unended: Iterable[Job], owner_uid: int) -> None
     if mine >= config.max_queued_per_user:
         raise LimitError(f"uid {owner_uid} has {mine} jobs queued, the most one user may "
                          f"(max_queued_per_user); retry later")
+
+
+def over_user_gpus(config: Config, running: Iterable[Job], job: Job) -> bool:
+    """Whether starting `job` now would take its owner past max_gpus_per_user (it waits, and jobs
+    of other users behind it may start: one user at their limit does not hold up everyone)."""
+    limit = config.max_gpus_per_user
+    if limit is None:
+        return False
+    wanted, _ = Resources.need(job.spec)
+    if wanted == 0:
+        return False
+    held = sum(len(j.gpus) for j in running if j.owner_uid == job.owner_uid)
+    return held + wanted > limit
 
 
 def check_paths(spec: JobSpec) -> None:

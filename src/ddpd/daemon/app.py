@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
@@ -19,6 +21,7 @@ from .. import __version__
 from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
 from .bus import EventBus
+from .cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
 from .config import Config, ConfigError, load_config, parse_listen
 from .gpus import discover_async
 from .journal import Journal
@@ -31,13 +34,14 @@ from .resources import Resources
 from .scheduler import Scheduler
 from .server import ControlServer, prepare_socket_path, secure_socket
 from .state import StateDB
+from .usertree import ensure_base
 
 log = structlog.get_logger("ddpd")
 
 _ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "pool_size")
+                 "metrics_token", "pool_size", "cgroup")
 
 
 async def _count_gpus() -> int:
@@ -151,6 +155,8 @@ class Daemon:
     async def _serve(self, signals: Any, task_status: TaskStatus[None]) -> None:
         cfg = self.config
         db = await anyio.to_thread.run_sync(StateDB.open_dir, cfg.state_dir)  # StorageError: unusable
+        await anyio.to_thread.run_sync(ensure_base, cfg.state_dir)  # root's 0711; users/<uid>/ are the users'
+        subtree = await anyio.to_thread.run_sync(containment, cfg)
         set_child_subreaper()
         gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
         bus = EventBus()
@@ -158,7 +164,7 @@ class Daemon:
         resources = Resources(gpus, cfg.cpu_slots)
         pool = WarmPool(cfg, resources.busy_cpu)  # warm workers (pool_size 0: none, every rank starts cold)
         self.pool = pool if pool.size else None
-        self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool)
+        self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool, subtree=subtree)
         listener: SocketListener | None = None
         try:
             await scheduler.recover()
@@ -205,6 +211,8 @@ class Daemon:
                         except FileNotFoundError:
                             pass
                 db.close()
+                if subtree is not None and subtree.jobs.name != JOBS_DIR:  # ours alone, under the root cgroup
+                    await anyio.to_thread.run_sync(_remove_empty, subtree.jobs)
                 running, queued = self.counts()
                 log.info("daemon.stopped", uptime=round(time.monotonic() - self.started, 3), queued=queued,
                          running=running)
@@ -226,6 +234,31 @@ class Daemon:
         listener = await anyio.create_unix_listener(cfg.socket)
         await anyio.to_thread.run_sync(secure_socket, cfg.socket, cfg.socket_mode, cfg.socket_group)
         return listener
+
+
+def _remove_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):  # an attempt's cgroup still there (unkillable): kept, reported then
+        path.rmdir()
+
+
+def containment(cfg: Config) -> Subtree | None:
+    """The daemon's cgroup subtree for attempts (blocking), or None: process groups and markers only."""
+    if cfg.cgroup == "off":
+        log.info("cgroup.unavailable", reason="cgroup = off in the config")
+        return None
+    support = probe()
+    if not support.usable or support.path is None:
+        log.info("cgroup.unavailable", reason=support.reason)
+        return None
+    instance = hashlib.sha256(str(cfg.state_dir.resolve()).encode()).hexdigest()[:12]
+    try:
+        subtree = prepare_subtree(support.path, instance)
+    except OSError as exc:
+        log.warning("cgroup.unavailable", reason=f"cannot prepare {support.path}: {exc}")
+        return None
+    log.info("cgroup.ready", path=str(subtree.jobs), controllers=sorted(subtree.controllers),
+             unavailable=subtree.unavailable)
+    return subtree
 
 
 def run(config: Config, overrides: dict[str, Any] | None = None) -> None:

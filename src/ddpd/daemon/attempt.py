@@ -13,6 +13,7 @@ Every rank's tasks are bound to ``job_id``, ``attempt`` and ``rank`` in structlo
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -31,21 +32,24 @@ from ..protocol.control import RootCause, StacksResult
 from ..protocol.limits import clip_text
 from ..protocol.worker import attempt_marker, marker_entry
 from . import procs
+from .cgroups import AttemptCgroup, Subtree
 from .clock import Clock, RealClock, wait_until
 from .config import Config
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .gpus import nccl_env
+from .identity import Identity, UnknownUser
 from .journal import Journal
-from .launch import Launcher, make_dirs
+from .launch import Launcher
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
-from .records import Job, attempt_dir, job_dir, rank_log
+from .records import Job, rank_log_name, user_attempt_dir, user_job_dir
 from .rendezvous import RendezvousError, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
 from .stacks import collect, find_py_spy
 from .teardown import escalate
+from .usertree import JOBS_DIR, create_user_file, ensure_base, ensure_dirs, open_user_file
 
 log = structlog.get_logger("ddpd")
 
@@ -58,8 +62,9 @@ def boot_ticks() -> int:
 
 class Attempt:
     def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
-                 pool: WarmPool | None = None, clock: Clock | None = None) -> None:
+                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None) -> None:
         self.config = config
+        self.subtree = subtree  # the daemon's cgroup subtree: each attempt gets a cgroup of its own there
         self.pool = pool  # the daemon's warm pool, None when it keeps none
         self.journal = journal
         self.job = job
@@ -70,7 +75,8 @@ class Attempt:
         self.token = secrets.token_hex(8)
         self.marker = attempt_marker(job.id, number, self.token)
         self.outcome: Outcome | None = None
-        self.gang = RankGang(job, journal, self.clock, marker_entry(job.id, number, self.token), boot_ticks())
+        self.gang = RankGang(job, journal, self.clock, marker_entry(job.id, number, self.token), boot_ticks(),
+                             opener=functools.partial(open_user_file, config.state_dir, job.owner_uid))
         self._concluded = anyio.Event()
         self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
         self._warned = False  # the ranks were asked to stop before the wall-time limit
@@ -81,8 +87,11 @@ class Attempt:
                              progress=float(timeouts["progress"]), heartbeat_interval=config.heartbeat_interval,
                              wall=None if timeouts.get("wall") is None else float(timeouts["wall"]),
                              stop_warning=float(timeouts["stop_warning"]))
-        self.dir = attempt_dir(config.state_dir, job.id, number)
-        self.checkpoint_dir = job_dir(config.state_dir, job.id) / "checkpoints"
+        # the owner's tree (usertree): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
+        self.job_dir = user_job_dir(config.state_dir, job.owner_uid, job.id)
+        self.dir = user_attempt_dir(config.state_dir, job.owner_uid, job.id, number)
+        self.checkpoint_dir = self.job_dir / "checkpoints"
+        self.identity: Identity | None = None
         self.log = log.bind(job_id=job.id, attempt=number)
 
     @property
@@ -128,8 +137,20 @@ class Attempt:
 
     # -- the attempt -----------------------------------------------------------------------
 
+    def run_as(self) -> Identity | None:
+        """The user the ranks switch to: the submitter, when this daemon is root and they are not."""
+        euid = os.geteuid()
+        if self.identity is None or euid != 0 or self.identity.uid == euid:
+            return None
+        return self.identity
+
     async def run(self) -> Outcome:
         job = self.job
+        try:
+            self.identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
+        except UnknownUser as exc:
+            return Outcome(JobState.FAILED, "spawn_failed", RootCause(reason="spawn_failed", attempt=self.number,
+                                                                      detail=str(exc)))
         try:
             rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
         except RendezvousError as exc:
@@ -138,7 +159,9 @@ class Attempt:
         await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port)
         launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
                                              self.limits.join, self.clock, self.pool,
-                                             defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {})
+                                             defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {},
+                                             identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
+                                             checkpoint_dir=self.checkpoint_dir)
         try:
             async with anyio.create_task_group() as tg:
                 try:
@@ -180,20 +203,27 @@ class Attempt:
     async def _launch(self, tg: anyio.abc.TaskGroup, launcher: Launcher) -> None:
         job = self.job
         try:
-            await anyio.to_thread.run_sync(make_dirs, self.dir, self.checkpoint_dir)
+            await anyio.to_thread.run_sync(self._prepare_dirs)
         except OSError as exc:
             self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
                 reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
             return
-        # the row and its marker first: a daemon killed mid-spawn finds this attempt's processes on restart
+        cgroup = await self._create_cgroup()
+        if self.gang.cgroup is not None:
+            launcher.place = self.gang.cgroup.add
+        # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
-                                        token=self.token)
+                                        token=self.token, cgroup=cgroup)
         for r in range(job.spec.nproc):
             if self.outcome is not None:
                 return
-            log_path = rank_log(self.config.state_dir, job.id, self.number, r)
+            log_path = self.dir / rank_log_name(r)
             try:
-                h = launcher.start(r, log_path, self.gang.pgid)
+                log_fd = await anyio.to_thread.run_sync(self._create_log, r)
+                try:
+                    h = launcher.start(r, log_path, log_fd, self.gang.pgid)
+                finally:
+                    os.close(log_fd)
             except OSError as exc:
                 self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
                     reason="spawn_failed", rank=r, attempt=self.number,
@@ -210,7 +240,34 @@ class Attempt:
             tg.start_soon(self._rank_tasks, h)
             if first:
                 await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=launcher.rdzv.port,
-                                                token=self.token)
+                                                token=self.token, cgroup=cgroup)
+
+    async def _create_cgroup(self) -> str | None:
+        """The attempt's cgroup under the daemon's subtree (its path), or None: without one, the ranks
+        are contained by their process group and marker alone (logged as `cgroup.attempt_failed`)."""
+        if self.subtree is None:
+            return None
+        try:
+            cg = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                                                f"{self.job.id}-a{self.number}")
+        except OSError as exc:
+            self.log.warning("cgroup.attempt_failed", error=str(exc))
+            return None
+        self.gang.cgroup = cg
+        return str(cg.path)
+
+    def _prepare_dirs(self) -> None:
+        """The attempt's directory and the job's checkpoints, its owner's (blocking: from a thread)."""
+        assert self.identity is not None
+        ensure_base(self.config.state_dir)
+        ensure_dirs(self.config.state_dir, self.identity, JOBS_DIR, self.job.id, f"attempt-{self.number}")
+        ensure_dirs(self.config.state_dir, self.identity, JOBS_DIR, self.job.id, "checkpoints")
+
+    def _create_log(self, rank: int) -> int:
+        """Rank `rank`'s log, created in its owner's tree without following anything (blocking)."""
+        assert self.identity is not None
+        return create_user_file(self.config.state_dir, self.identity, JOBS_DIR, self.job.id,
+                                f"attempt-{self.number}", name=rank_log_name(rank))
 
     async def _rank_tasks(self, h: RankHandle) -> None:
         """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""

@@ -67,6 +67,7 @@ class Config:
     # limits (issue: nothing a client or a job sends is unbounded)
     max_queued: int = 10_000  # jobs waiting in the queue, all users together
     max_queued_per_user: int = 1_000
+    max_gpus_per_user: int | None = None  # GPUs one user's running jobs may hold together; None: no limit
     priority_range: tuple[int, int] = (-1000, 1000)  # the band a job's priority must lie in
     max_kill_grace: float = 60.0  # a job's kill_grace at most (keep under the unit's TimeoutStopSec)
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
@@ -75,6 +76,11 @@ class Config:
     frame_timeout: float = 10.0  # a request frame must be complete within this many seconds of its first byte
     rank_frames_per_second: int = 2_000  # frames a rank may send per second (averaged); a flood fails the job
     rank_log_max: int = 256 * 1024 * 1024  # bytes of a rank log before it rotates (the newest part is kept)
+    # identity and containment (docs/identity.md)
+    allow_root_jobs: bool = False  # a root daemon refuses jobs of uid 0 unless this is set
+    admin_group: str | None = None  # members see every job's detail, as root does
+    cgroup: str = "auto"  # auto: one cgroup per attempt where cgroup v2 is writable; off: process groups only
+    interpreter_check_timeout: float = 60.0  # seconds the submit-time `import torch, ddpd.worker` may take
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
@@ -127,6 +133,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     metrics_token_file: Text | msgspec.UnsetType | None = msgspec.UNSET
     max_queued: Count | msgspec.UnsetType = msgspec.UNSET
     max_queued_per_user: Count | msgspec.UnsetType = msgspec.UNSET
+    max_gpus_per_user: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | msgspec.UnsetType | None = msgspec.UNSET
     priority_range: tuple[Priority, Priority] | msgspec.UnsetType = msgspec.UNSET
     max_kill_grace: Annotated[float, msgspec.Meta(gt=0, le=DAY)] | msgspec.UnsetType = msgspec.UNSET
     retention: Annotated[float, msgspec.Meta(ge=0, le=100 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
@@ -135,6 +142,11 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     frame_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     rank_frames_per_second: Count | msgspec.UnsetType = msgspec.UNSET
     rank_log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | msgspec.UnsetType = msgspec.UNSET
+    allow_root_jobs: bool | msgspec.UnsetType = msgspec.UNSET
+    admin_group: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | msgspec.UnsetType | None = (
+        msgspec.UNSET)
+    cgroup: Literal["auto", "off"] | msgspec.UnsetType = msgspec.UNSET
+    interpreter_check_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     defaults: DefaultsSchema | msgspec.UnsetType = msgspec.UNSET
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -49,19 +50,22 @@ def open_job_file(path: str | Path) -> int:
     return fd
 
 
-def read_at(path: str | Path, offset: int, limit: int) -> bytes:
+Opener = Callable[[str | Path], int]  # opens a job file read-only, safely (open_job_file, or the user tree's)
+
+
+def read_at(path: str | Path, offset: int, limit: int, opener: Opener | None = None) -> bytes:
     """At most `limit` bytes of `path` from `offset` (blocking: call it from a thread)."""
-    fd = open_job_file(path)
+    fd = (opener or open_job_file)(path)
     try:
         return os.pread(fd, limit, offset)
     finally:
         os.close(fd)
 
 
-def size_of(path: str | Path) -> int:
+def size_of(path: str | Path, opener: Opener | None = None) -> int:
     """The size of a regular job file; 0 when it is missing or not safely readable."""
     try:
-        fd = open_job_file(path)
+        fd = (opener or open_job_file)(path)
     except OSError:
         return 0
     try:
@@ -70,15 +74,16 @@ def size_of(path: str | Path) -> int:
         os.close(fd)
 
 
-async def read_job_file(path: str | Path, offset: int, limit: int, timeout: float = READ_TIMEOUT) -> bytes:
+async def read_job_file(path: str | Path, offset: int, limit: int, timeout: float = READ_TIMEOUT,
+                        opener: Opener | None = None) -> bytes:
     """`read_at` off the loop with a bounded wait; raises JobFileError when the read takes too long."""
     with anyio.move_on_after(timeout):
-        return await anyio.to_thread.run_sync(read_at, path, offset, limit, limiter=_limit(),
+        return await anyio.to_thread.run_sync(read_at, path, offset, limit, opener, limiter=_limit(),
                                               abandon_on_cancel=True)
     raise JobFileError(0, f"reading {path} took more than {timeout:.0f}s")
 
 
-async def job_file_size(path: str | Path, timeout: float = READ_TIMEOUT) -> int:
+async def job_file_size(path: str | Path, timeout: float = READ_TIMEOUT, opener: Opener | None = None) -> int:
     with anyio.move_on_after(timeout):
-        return await anyio.to_thread.run_sync(size_of, path, limiter=_limit(), abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(size_of, path, opener, limiter=_limit(), abandon_on_cancel=True)
     return 0

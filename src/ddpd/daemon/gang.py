@@ -17,8 +17,9 @@ import anyio.to_thread
 
 from ..protocol.channel import DumpStacks, Stop
 from . import procs
+from .cgroups import AttemptCgroup
 from .clock import Clock, wait_until
-from .files import JobFileError, job_file_size, read_job_file
+from .files import JobFileError, Opener, job_file_size, read_job_file
 from .journal import Journal
 from .ranks import RankHandle
 from .records import Job
@@ -30,8 +31,11 @@ DUMP_READ_LIMIT = 1 << 20  # bytes of a rank log read for its stack dump
 
 
 class RankGang:
-    def __init__(self, job: Job, journal: Journal, clock: Clock, marker: bytes, start_ticks: int) -> None:
+    def __init__(self, job: Job, journal: Journal, clock: Clock, marker: bytes, start_ticks: int,
+                 opener: Opener | None = None) -> None:
         self.job, self.journal, self.clock = job, journal, clock
+        self.opener = opener  # opens a rank log safely in its owner's tree
+        self.cgroup: AttemptCgroup | None = None  # the attempt's cgroup, where there is one
         self.marker = marker  # DDPD_ATTEMPT=... as in /proc/PID/environ
         self.start_ticks = start_ticks
         self.handles: list[RankHandle] = []
@@ -90,13 +94,13 @@ class RankGang:
         if h.rank.log is None:
             return ""
         try:
-            data = await read_job_file(h.rank.log, start, DUMP_READ_LIMIT)
+            data = await read_job_file(h.rank.log, start, DUMP_READ_LIMIT, opener=self.opener)
         except (OSError, JobFileError):  # a FIFO, a symlink, a slow file: no dump to read
             return ""
         return data.decode("utf-8", "replace")
 
     async def _size(self, h: RankHandle) -> int:
-        return 0 if h.rank.log is None else await job_file_size(h.rank.log)
+        return 0 if h.rank.log is None else await job_file_size(h.rank.log, opener=self.opener)
 
     async def _await_dumps(self, handles: list[RankHandle], sizes: dict[int, int]) -> None:
         """Bounded: faulthandler answers nothing, so watch the logs until each holds a whole
@@ -146,8 +150,35 @@ class RankGang:
             )
         ]
 
+    async def _kill_cgroup(self, cg: AttemptCgroup, ranks: set[int]) -> None:
+        """cgroup.kill: SIGKILL to all that is left in the attempt's cgroup, whatever setsid or double
+        fork it did; then reap those that became our children, and remove the cgroup."""
+        try:
+            pids = await anyio.to_thread.run_sync(cg.pids)
+            emptied = await anyio.to_thread.run_sync(cg.kill, UNKILLABLE_WAIT)
+        except OSError as exc:
+            await self.journal.event(self.job, "job.cgroup_error", cgroup=str(cg.path), error=str(exc))
+            return
+        others = [pid for pid in pids if pid not in ranks]
+        if others:
+            await self.journal.event(self.job, "job.leftover_killed", pids=others, via="cgroup")
+        if not emptied:
+            left = await anyio.to_thread.run_sync(cg.pids)
+            await self.journal.event(self.job, "rank.unkillable", pids=left, cgroup=str(cg.path))
+            return
+        with anyio.move_on_after(UNKILLABLE_WAIT):
+            for pid in others:
+                await procs.wait_gone(pid)
+        await anyio.to_thread.run_sync(procs.reap_children, others)
+        try:
+            await anyio.to_thread.run_sync(cg.remove)
+        except OSError as exc:
+            await self.journal.event(self.job, "job.cgroup_error", cgroup=str(cg.path), error=str(exc))
+
     async def sweep(self) -> None:
         ranks = {h.proc.pid for h in self.handles}
+        if self.cgroup is not None:
+            await self._kill_cgroup(self.cgroup, ranks)
         found = await anyio.to_thread.run_sync(self._descendants, ranks)
         leftovers = [p for p in found if p.state != "Z"]
         for p in leftovers:

@@ -103,9 +103,10 @@ class Journal:
         await self._write("job", lambda c: _upsert(c, "jobs", ("id",), row), job.id)
 
     async def save_attempt(self, job: Job, attempt: int, *, pgid: int | None, store_port: int | None,
-                           token: str) -> None:
+                           token: str, cgroup: str | None = None) -> None:
+        """The attempt's row: its group, store port, marker token and cgroup (what recovery kills)."""
         row = {"job_id": job.id, "attempt": attempt, "pgid": pgid, "store_port": store_port, "token": token,
-               "started_at": time.time()}
+               "started_at": time.time(), "cgroup": cgroup}
         await self._write("attempt", lambda c: _upsert(c, "attempts", ("job_id", "attempt"), row), job.id)
 
     async def save_rank(self, job: Job, rank: Rank) -> None:
@@ -249,6 +250,13 @@ class Journal:
         rows = await self.db.run(lambda c: c.execute(
             "SELECT token FROM attempts WHERE job_id = ? AND attempt = ?", (job_id, attempt)).fetchall())
         return [str(r["token"]) for r in rows]
+
+    async def attempt_cgroups(self, job_id: str, attempt: int) -> list[str]:
+        """The cgroups recorded for an attempt (killed whole at recovery, before the marker sweep)."""
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT cgroup FROM attempts WHERE job_id = ? AND attempt = ? AND cgroup IS NOT NULL",
+            (job_id, attempt)).fetchall())
+        return [str(r["cgroup"]) for r in rows]
 
     async def list_events(self, job_id: str | None, since: int, limit: int) -> list[EventView]:
         """Up to `limit` recorded events after `since` (seq), oldest first; one job's or all."""

@@ -1,24 +1,27 @@
 """Starting the ranks of an attempt: argv and environment built once, cold spawn or pool adoption.
 
-Each rank's environment is built once (`rank_env`), on the warm pool's base (the daemon's
-environment less systemd's variables): the job's ``spec.env`` first, then the daemon's reserved
-variables on top (``protocol.worker.RESERVED_ENV``: rank layout, rendezvous, the attempt marker,
-devices), so a job can neither move its rank nor hide from teardown nor see devices it was not
-given. A cold rank is started with that environment and its Assign carries none; a pooled rank,
-started before the job existed, gets the difference to its base in ``Assign.env``.
+Each rank's environment is built once (`rank_env`) on a base (`base_env`): the submitter's
+exported environment with HOME, USER, LOGNAME and SHELL from the passwd entry (a job from a
+client that sends `spec.environ`), else the warm pool's base (the daemon's environment less
+systemd's variables). Then the job's ``spec.env``, then the daemon's reserved variables on top
+(``protocol.worker.RESERVED_ENV``: rank layout, rendezvous, the attempt marker, devices), so a job
+can neither move its rank nor hide from teardown nor see devices it was not given. A cold rank
+runs ``spec.python`` (else the configured worker command or the daemon's interpreter) as the
+submitter (`run_as`, through the gate) and inside the attempt's cgroup (`place`) where there is
+one; its Assign carries no environment. A pooled rank (only for jobs with the daemon's own
+interpreter, environment and user), started before the job existed, gets the difference to its
+base in ``Assign.env``.
 
 `Launcher.start` returns the same `RankHandle` either way.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
-import stat
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -29,9 +32,10 @@ from . import procs
 from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
+from .identity import Identity, job_environment
 from .pool import WarmPool, pool_eligible, pool_env
 from .ranks import RankHandle
-from .records import Job, Rank, job_dir
+from .records import Job, Rank
 from .rendezvous import Rendezvous
 
 
@@ -42,7 +46,8 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
     spec = job.spec
     n = spec.nproc
     env = dict(base)
-    env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
+    if spec.environ is None or "OMP_NUM_THREADS" not in spec.environ:  # the submitter's own choice stays
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
     env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(defaults or {})
     env.update({k: v for k, v in spec.env.items() if not is_reserved_env(k)})
@@ -79,13 +84,13 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
     return env
 
 
-def make_dirs(*paths: Path) -> None:
-    """Create the attempt's directories (blocking: call it from a thread). The job can write its job
-    directory: one of them already there as a symlink (or anything but a directory) is refused."""
-    for path in paths:
-        path.mkdir(parents=True, exist_ok=True)
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise OSError(errno.ENOTDIR, f"{path} is not a directory (a symlink is not followed)")
+def base_env(job: Job, identity: Identity) -> dict[str, str]:
+    """What a rank's environment starts from: the submitter's exported variables (reserved names
+    dropped) and the passwd identity; the daemon's own (pool_env) for a client that sent none."""
+    if job.spec.environ is None:
+        return pool_env()
+    exported = {k: v for k, v in job.spec.environ.items() if not is_reserved_env(k)}
+    return job_environment(identity, exported, {}, {})
 
 
 class Launcher:
@@ -93,15 +98,20 @@ class Launcher:
 
     def __init__(self, config: Config, job: Job, number: int, marker: str, rdzv: Rendezvous, attempt_dir: Path,
                  join_timeout: float, clock: Clock, pool: WarmPool | None,
-                 defaults: Mapping[str, str] | None = None) -> None:
+                 defaults: Mapping[str, str] | None = None, *, identity: Identity, run_as: Identity | None = None,
+                 place: Callable[[int], None] | None = None, job_dir: Path, checkpoint_dir: Path) -> None:
         self.defaults = dict(defaults or {})
         self.config, self.job, self.number, self.rdzv, self.clock = config, job, number, rdzv, clock
         self.marker = marker
         self.join_timeout = join_timeout
         self.attempt_dir = attempt_dir
-        self.pool = pool if pool is not None and pool_eligible(job.spec) is None else None
-        self.base = pool_env()
-        self.cwd = job.spec.workdir or str(job_dir(config.state_dir, job.id))
+        self.run_as = run_as  # the submitter, when this (root) daemon starts ranks as another user
+        self.place = place  # enters a rank into the attempt's cgroup, where there is one
+        own = job.spec.python is None and job.spec.environ is None and run_as is None
+        self.pool = pool if pool is not None and own and pool_eligible(job.spec) is None else None
+        self.base = base_env(job, identity)
+        self.cwd = job.spec.workdir or str(job_dir)
+        self.checkpoint_dir = checkpoint_dir
         self.envs: dict[int, dict[str, str]] = {}
 
     def env(self, rank: int) -> dict[str, str]:
@@ -110,24 +120,38 @@ class Launcher:
                                        self.attempt_dir / f"rank-{rank}-error.json", self.defaults)
         return self.envs[rank]
 
-    def start(self, rank: int, log_path: Path, pgid: int | None) -> RankHandle:
+    def argv_prefix(self) -> tuple[str, ...]:
+        if self.job.spec.python is not None:
+            return (self.job.spec.python, "-m", "ddpd.worker")
+        return self.config.worker_command or (sys.executable, "-m", "ddpd.worker")
+
+    def start(self, rank: int, log_path: Path, log_fd: int, pgid: int | None) -> RankHandle:
         """Rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
 
-        `pgid` None: the rank leads the attempt's new process group. Raises OSError when a cold
-        start fails.
+        `log_fd` becomes a cold rank's stdout and stderr (the caller closes it); a pooled rank
+        appends to `log_path` itself. `pgid` None: the rank leads the attempt's new process group.
+        Raises OSError when a cold start (or the cgroup placement of a pooled one) fails.
         """
         taken = self.pool.take() if self.pool is not None else None
         if taken is not None:
             proc, channel, hello = taken
             handle = self._handle(rank, proc, channel, log_path, pgid or proc.pid, pooled=True)
             handle.hello = hello
+            if self.place is not None:  # still the daemon's own code: no race with job code
+                try:
+                    self.place(proc.pid)
+                except OSError:
+                    channel.close()
+                    proc.kill()
+                    proc.wait()
+                    raise
             return handle
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [*(self.config.worker_command or (sys.executable, "-m", "ddpd.worker")),
-                *worker_args(child_end.fileno(), os.getpid())]
+        argv = [*self.argv_prefix(), *worker_args(child_end.fileno(), os.getpid())]
         try:
-            proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_path=log_path,
-                               pass_fds=[child_end.fileno()], process_group=pgid or 0)
+            proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fd,
+                               pass_fds=[child_end.fileno()], process_group=pgid or 0,
+                               identity=self.run_as, place=self.place)
         except OSError:
             parent_end.close()
             raise
@@ -144,6 +168,8 @@ class Launcher:
     def assignment(self, h: RankHandle, pgid: int) -> Assign:
         rank = h.rank
         spec = self.job.spec
+        if spec.environ is not None:  # the rank runs in it already: no need to carry it again
+            spec = msgspec.structs.replace(spec, environ=None)
         env: dict[str, str] = {}
         if h.pooled:  # started before the job: it gets what its environment lacks, and the job's directory
             env = {k: v for k, v in self.env(rank.rank).items() if self.base.get(k) != v}
@@ -154,6 +180,6 @@ class Launcher:
             local_rank=rank.rank, local_world_size=spec.nproc, store_host=self.rdzv.host,
             store_port=self.rdzv.port, spec=spec, env=env, heartbeat_interval=self.config.heartbeat_interval,
             join_timeout=self.join_timeout,
-            checkpoint_dir=str(job_dir(self.config.state_dir, self.job.id) / "checkpoints"),
+            checkpoint_dir=str(self.checkpoint_dir),
             pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "",
         )

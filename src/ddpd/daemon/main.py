@@ -49,9 +49,14 @@ def main() -> None:
               help="auto: JSON lines unless stderr is a terminal")
 @click.option("--metrics-listen", metavar="HOST:PORT",
               help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+@click.option("--allow-root-jobs", is_flag=True, default=None,
+              help="accept jobs of uid 0 (a root daemon refuses them by default)")
+@click.option("--cgroup", type=click.Choice(["auto", "off"]),
+              help="auto: one cgroup per attempt where cgroup v2 is writable (default); off: process groups only")
 def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | None, port_range: str | None,
           store_host: str | None, gpus: int | None, cpu_slots: int | None, heartbeat_interval: float | None,
-          pool_size: int | None, log_level: str | None, log_format: str | None, metrics_listen: str | None) -> None:
+          pool_size: int | None, log_level: str | None, log_format: str | None, metrics_listen: str | None,
+          allow_root_jobs: bool | None, cgroup: str | None) -> None:
     """Run the daemon in the foreground (under systemd: Type=notify, socket activation)."""
     from .app import run
 
@@ -67,6 +72,8 @@ def serve(socket_path: Path | None, state_dir: Path | None, config_file: Path | 
         "log_level": log_level,
         "log_format": log_format,
         "metrics_listen": metrics_listen,
+        "allow_root_jobs": allow_root_jobs,
+        "cgroup": cgroup,
     }
     try:
         config = load_config(config_file, **overrides)

@@ -189,8 +189,12 @@ class WarmPool:
         argv = [*(self.config.worker_command or (sys.executable, "-m", "ddpd.worker")),
                 *worker_args(child_end.fileno(), os.getpid(), pool=True)]
         try:
-            proc = procs.spawn(argv, env=pool_env(), cwd=str(self.config.state_dir), log_path=self.log_path,
-                               pass_fds=[child_end.fileno()], process_group=0)
+            log_fd = procs.open_log(self.log_path)
+            try:
+                proc = procs.spawn(argv, env=pool_env(), cwd=str(self.config.state_dir), log_fd=log_fd,
+                                   pass_fds=[child_end.fileno()], process_group=0)
+            finally:
+                os.close(log_fd)
         except OSError as exc:
             parent_end.close()
             log.error("pool.spawn_failed", error=str(exc))

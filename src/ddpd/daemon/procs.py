@@ -8,11 +8,14 @@ import os
 import signal
 import stat
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+
+from .gate import spawn_gated
+from .identity import Identity
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -52,39 +55,57 @@ class Exit:
         return f"signal {self.signal}" if self.signal else f"exit code {self.code}"
 
 
-def spawn(
-    argv: Sequence[str],
-    *,
-    env: Mapping[str, str],
-    cwd: str,
-    log_path: Path,
-    pass_fds: Sequence[int],
-    process_group: int,
-) -> subprocess.Popen[bytes]:
-    """Start a fresh interpreter with stdin /dev/null and stdout+stderr appended to `log_path`.
-
-    `process_group` 0 makes the child the leader of a new group; a pgid joins that group. The log
-    is opened without following a symlink and without blocking, and must be a regular file (a job
-    may have put a FIFO or a link there): else OSError, as for any other failed start.
-    """
+def open_log(log_path: Path) -> int:
+    """A write fd (append) of a daemon-owned log: no symlink followed, no blocking, a regular file only."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                  0o644)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, f"{log_path} is not a regular file")
-        return subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=fd,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            cwd=cwd,
-            pass_fds=tuple(pass_fds),
-            process_group=process_group,
-            close_fds=True,
-        )
-    finally:
+        os.set_blocking(fd, True)
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def _stay(pid: int) -> None:
+    """No cgroup to enter: the gate only changes the user."""
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: str,
+    log_fd: int,
+    pass_fds: Sequence[int],
+    process_group: int,
+    identity: Identity | None = None,
+    place: Callable[[int], None] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start a fresh interpreter with stdin /dev/null and stdout+stderr to `log_fd` (the caller's to close).
+
+    `process_group` 0 makes the child the leader of a new group; a pgid joins that group. With an
+    `identity` (a root daemon starting a user's rank) or a `place` (entering the attempt's cgroup),
+    the child starts through the gate (`gate.spawn_gated`): placed, then as the user, then the
+    working directory entered as that user, then `argv` exec'd; same pid throughout. Without
+    either, it is started directly, as the daemon. OSError when the start fails.
+    """
+    if identity is not None or place is not None:
+        return spawn_gated(argv, env, cwd, identity, place or _stay, stdin=subprocess.DEVNULL, stdout=log_fd,
+                           stderr=subprocess.STDOUT, pass_fds=tuple(pass_fds), process_group=process_group)
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=log_fd,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        cwd=cwd,
+        pass_fds=tuple(pass_fds),
+        process_group=process_group,
+        close_fds=True,
+    )
 
 
 async def wait_exit(proc: subprocess.Popen[bytes]) -> Exit:

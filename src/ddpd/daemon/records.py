@@ -93,7 +93,17 @@ class Job:
 
 
 def job_dir(state_dir: Path, job_id: str) -> Path:
+    """Where jobs kept their files before the per-user tree (rows recovered from older daemons)."""
     return state_dir / "jobs" / job_id
+
+
+def user_job_dir(state_dir: Path, uid: int, job_id: str) -> Path:
+    """`<state_dir>/users/<uid>/jobs/<job>`: the job's files, its owner's (see usertree)."""
+    return state_dir / "users" / str(uid) / "jobs" / job_id
+
+
+def user_attempt_dir(state_dir: Path, uid: int, job_id: str, attempt: int) -> Path:
+    return user_job_dir(state_dir, uid, job_id) / f"attempt-{attempt}"
 
 
 def attempt_dir(state_dir: Path, job_id: str, attempt: int) -> Path:
@@ -101,5 +111,9 @@ def attempt_dir(state_dir: Path, job_id: str, attempt: int) -> Path:
 
 
 def rank_log(state_dir: Path, job_id: str, attempt: int, rank: int) -> Path:
-    """Where a rank's stdout and stderr go (the supervisor writes it, `logs` reads it)."""
+    """Where a rank's stdout and stderr went before the per-user tree."""
     return attempt_dir(state_dir, job_id, attempt) / f"rank-{rank}.log"
+
+
+def rank_log_name(rank: int) -> str:
+    return f"rank-{rank}.log"

@@ -9,7 +9,7 @@ text, and a page of `list` ends before its encoded size nears the limit.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -31,8 +31,27 @@ def clip_root_cause(rc: RootCause | None) -> RootCause | None:
            if isinstance(v := getattr(rc, k), str)})
 
 
+Detail = Callable[[int], bool]  # may the viewer see the detail of a job of this owner uid?
+
+
+def summary_view(view: JobView) -> JobView:
+    """What anyone may see of a job: that it exists, whose it is, its state and its resources."""
+    spec = view.spec
+    shape = JobSpec(nproc=spec.nproc, device=spec.device, gpus_per_rank=spec.gpus_per_rank, priority=spec.priority,
+                    task=None, steps=0)
+    return JobView(id=view.id, name="", state=view.state, owner_uid=view.owner_uid, submitted_at=view.submitted_at,
+                   spec=shape, attempt=view.attempt, started_at=view.started_at, finished_at=view.finished_at)
+
+
+def visible_view(view: JobView, detail: Detail) -> JobView:
+    view = fit_view(view)
+    return view if detail(view.owner_uid) else summary_view(view)
+
+
 def fit_view(view: JobView) -> JobView:
-    """The view with its texts clipped; smaller still if it would not fit in one page."""
+    """The view with its texts clipped (and no environment values); smaller still if it would not fit in one page."""
+    if view.spec.environ is not None:
+        view = msgspec.structs.replace(view, spec=msgspec.structs.replace(view.spec, environ=None))
     view = msgspec.structs.replace(view, name=clip_text(view.name, 200),
                                    reason=None if view.reason is None else clip_text(view.reason, TEXT_LIMIT),
                                    root_cause=clip_root_cause(view.root_cause))
@@ -48,14 +67,15 @@ def fit_view(view: JobView) -> JobView:
     return msgspec.structs.replace(view, spec=small)
 
 
-def job_page(jobs: Iterable[Job], *, active_only: bool, limit: int, before: int | None) -> JobPage:
+def job_page(jobs: Iterable[Job], *, active_only: bool, limit: int, before: int | None,
+             detail: Detail = lambda owner: True) -> JobPage:
     """Newest first: at most `limit` jobs with seq below `before`; `next` continues, None at the end."""
     wanted = (j for j in jobs if (before is None or j.seq < before) and not (active_only and j.state.final))
     newest = heapq.nlargest(limit + 1, wanted, key=lambda j: j.seq)
     views: list[JobView] = []
     size = 0
     for job in newest[:limit]:
-        view = fit_view(job.view())
+        view = visible_view(job.view(), detail)
         n = len(msgspec.json.encode(view)) + 1
         if views and size + n > PAGE_BUDGET:
             break

@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,26 +24,30 @@ from ..protocol import JobSpec, JobState
 from ..protocol.control import RootCause
 from ..protocol.worker import marker_entry
 from . import lifecycle
-from .admission import admit, check_key, check_limits
+from .admission import admit, check_key, check_limits, over_user_gpus
 from .attempt import Attempt, Outcome
+from .cgroups import AttemptCgroup, Subtree
 from .config import Config
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
 from .pool import WarmPool
-from .procs import find_members, proc_environ_has
+from .procs import find_members, proc_environ_has, reap_children
 from .records import Job, job_dir
 from .resources import Resources
 from .retention import Retention
 from .table import JobTable
+from .teardown import UNKILLABLE_WAIT
+from .usertree import remove_job_dir
 
 log = structlog.get_logger("ddpd")
 
 
 class Scheduler:
     def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, subtree: Subtree | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.subtree = subtree  # where attempts get their cgroups; None: process groups and markers only
         self.journal = journal
         self.resources = resources
         self.clock = clock  # wall-clock time (retention is counted in it)
@@ -129,8 +134,10 @@ class Scheduler:
             if key is not None:
                 del self._pending_keys[key]
             done.set()
+        # never an environment value in the journal: the interpreter and what --export named at most
+        shape: dict[str, Any] = {"python": spec.python, "export": spec.export} if spec.python else {}
         await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
-                                 task=spec.task, script=spec.script)
+                                 task=spec.task, script=spec.script, **shape)
         self._notify()
         return job, False
 
@@ -174,6 +181,8 @@ class Scheduler:
                     continue  # started, not yet STARTING
                 if len(self.running) >= self.config.max_running:
                     break
+                if over_user_gpus(self.config, (j for j in self.unended.values() if j.id in self.running), job):
+                    continue  # its owner's limit, not the machine's: others' jobs may pass it
                 gpus = self.resources.take(job.spec)
                 if gpus is None:
                     break
@@ -207,7 +216,7 @@ class Scheduler:
             job.ranks = []
             job.root_cause = None
             await self.journal.job_state(job, JobState.STARTING, f"attempt {job.attempt}")
-            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool)
+            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool, subtree=self.subtree)
             self.attempts[job.id] = attempt
             if job.cancel_requested:
                 attempt.request_cancel(job.cancel_requested, force=False)
@@ -265,8 +274,12 @@ class Scheduler:
         """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
         await self.journal.delete_job(job.id)
         self.table.forget(job, deleted=True)
-        path = job_dir(self.config.state_dir, job.id)
+        path = job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
+        try:
+            await anyio.to_thread.run_sync(remove_job_dir, self.config.state_dir, job.owner_uid, job.id)
+        except OSError as exc:  # a symlink or a foreign directory planted on the way: left, reported
+            log.warning("job.files_not_removed", job_id=job.id, error=str(exc))
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -302,12 +315,32 @@ class Scheduler:
 
     async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
         killed: list[int] = []
+        for path in await self.journal.attempt_cgroups(job.id, job.attempt):  # the cgroup first: it misses nothing
+            killed += await anyio.to_thread.run_sync(_kill_cgroup, path)
         for token in await self.journal.attempt_tokens(job.id, job.attempt):
             marker = marker_entry(job.id, job.attempt, token)
             killed += await anyio.to_thread.run_sync(_kill_marked, marker)
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
         return killed
+
+
+def _kill_cgroup(path: str) -> list[int]:
+    """Blocking: SIGKILL every process left in an attempt's cgroup (cgroup.kill), then remove it."""
+    cg = AttemptCgroup(Path(path))
+    try:
+        if not cg.path.exists():
+            return []
+        pids = cg.pids()
+        if cg.kill(UNKILLABLE_WAIT):
+            cg.remove()
+        else:
+            log.warning("cgroup.not_emptied", cgroup=path, pids=cg.pids())
+    except OSError as exc:
+        log.warning("cgroup.recovery_failed", cgroup=path, error=str(exc))
+        return []
+    reap_children(pids)
+    return pids
 
 
 def _kill_marked(marker: bytes) -> list[int]:

@@ -13,6 +13,7 @@ import grp
 import os
 import socket
 import struct
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -21,7 +22,17 @@ import structlog
 from anyio.abc import SocketAttribute, SocketStream
 
 from .. import __version__
-from ..protocol import MAX_REQUEST, PROTOCOL_VERSION, Decoder, ErrorCode, FrameError, SpecError, check_spec, encode
+from ..protocol import (
+    MAX_REQUEST,
+    PROTOCOL_VERSION,
+    Decoder,
+    ErrorCode,
+    FrameError,
+    JobSpec,
+    SpecError,
+    check_spec,
+    encode,
+)
 from ..protocol.control import (
     LIST_LIMIT,
     Cancel,
@@ -50,13 +61,17 @@ from ..protocol.control import (
     reply_id,
 )
 from ..protocol.limits import clip_text
+from ..protocol.spec import reserved_env
 from .config import ConfigError
 from .errors import DaemonError
+from .identity import Identity, UnknownUser, check_serves, job_environment
+from .interpreters import InterpreterChecks
 from .records import Job
-from .replies import clip_event, fit_view, job_page
+from .replies import Detail, clip_event, fit_view, job_page, visible_view
 from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
 from .streams import job_events, log_chunks
+from .visibility import detail_for, not_yours, visible_events
 
 log = structlog.get_logger("ddpd")
 
@@ -124,6 +139,7 @@ class ControlServer:
         self.scheduler = scheduler
         self.info = info
         self.reload = reload
+        self.interpreters = InterpreterChecks()
         self.connections = 0
         self.refused = 0  # connections refused for max_connections since start
         self._refusal_logged = float("-inf")
@@ -232,8 +248,46 @@ class ControlServer:
                                f"job {job_id} belongs to uid {job.owner_uid}; only it or root may {what} it")
         return job
 
+    async def _identity(self, uid: int) -> Identity:
+        try:
+            return await anyio.to_thread.run_sync(Identity.of, uid)
+        except UnknownUser as exc:
+            raise RequestError(ErrorCode.PERMISSION_DENIED, str(exc)) from None
+
+    async def _detail(self, uid: int) -> Detail:
+        return await detail_for(uid, self.scheduler.config.admin_group)
+
+    async def _detailed(self, job_id: str, uid: int, what: str) -> Job:
+        """The job, if `uid` may see its detail (`what`: its logs, its events); else PERMISSION_DENIED."""
+        job = await self._job(job_id)
+        if not (await self._detail(uid))(job.owner_uid):
+            raise RequestError(ErrorCode.PERMISSION_DENIED, not_yours(job, what))
+        return job
+
+    async def _check_submitter(self, spec: JobSpec, uid: int) -> None:
+        """Who may submit (check_serves) and whether the job's interpreter runs for them (BAD_SPEC `python`)."""
+        cfg = self.scheduler.config
+        refusal = check_serves(os.geteuid(), uid, cfg.allow_root_jobs)
+        if refusal is not None:
+            raise RequestError(ErrorCode.PERMISSION_DENIED, refusal)
+        python = spec.python
+        if python is None and os.geteuid() == 0 and uid != 0 and not cfg.worker_command:
+            python = sys.executable  # an older client of another user: its ranks run the daemon's, as that user
+        if python is None:
+            return  # an older client of the daemon's own user: the daemon's interpreter, as before
+        identity = await self._identity(uid)
+        exported = {k: v for k, v in (os.environ if spec.environ is None else spec.environ).items()
+                    if not reserved_env(k)}
+        env = job_environment(identity, exported, spec.env, {})
+        reason = await self.interpreters.refusal(identity, python, env, cfg.interpreter_check_timeout)
+        if reason is not None:
+            raise SpecError("python", reason)
+
     async def _dispatch(self, req: Request, uid: int) -> AsyncIterator[Reply]:
         rid = req.id
+        if os.geteuid() != 0 and uid != os.geteuid():  # a per-user daemon serves its own uid only
+            refusal = check_serves(os.geteuid(), uid, self.scheduler.config.allow_root_jobs)
+            raise RequestError(ErrorCode.PERMISSION_DENIED, refusal or "not served")
         match req:
             case HelloReq(version=version):
                 if version != PROTOCOL_VERSION:
@@ -243,30 +297,35 @@ class ControlServer:
             case Submit(spec=spec, idempotency_key=key):
                 if not self.scheduler.accepting:
                     raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                job, existing = await self.scheduler.submit(check_spec(spec), uid, idempotency_key=key)
+                spec = check_spec(spec)
+                await self._check_submitter(spec, uid)
+                job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
                 yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
-                yield Ok(id=rid, result=fit_view((await self._job(job_id)).view()))
+                job = await self._job(job_id)
+                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
             case ListJobs(all=all_jobs, limit=limit, before=before):
                 limit = min(limit, LIST_LIMIT)
                 jobs = await self.scheduler.page(limit + 1, before, active=not all_jobs)
-                yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before))
+                yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before,
+                                                 detail=await self._detail(uid)))
             case Cancel(job_id=job_id, force=force):
                 yield Ok(id=rid, result=await self._cancel(await self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):
                 job = await self._job(job_id)
                 await job.finished.wait()
-                yield Ok(id=rid, result=fit_view(job.view()))
+                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
             case Logs(job_id=job_id, rank=rank):
-                job = await self._job(job_id)
+                job = await self._detailed(job_id, uid, "logs")
                 if rank is not None and not 0 <= rank < job.spec.nproc:
                     raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
                 async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)
             case Events(job_id=job_id):
-                job_or_all = (await self._job(job_id)) if job_id else None
-                async for event in job_events(self.scheduler.journal, job_or_all, req):
+                events = (job_events(self.scheduler.journal, await self._detailed(job_id, uid, "events"), req)
+                          if job_id else visible_events(self.scheduler, req, uid, await self._detail(uid)))
+                async for event in events:
                     yield Item(id=rid, item=clip_event(event))
                 yield End(id=rid)
             case Remove(job_id=job_id):

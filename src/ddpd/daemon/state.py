@@ -84,7 +84,7 @@ CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 
 
 # columns added after the first release: (table, column, declaration)
-MIGRATIONS = (("jobs", "idempotency_key", "TEXT"),)
+MIGRATIONS = (("jobs", "idempotency_key", "TEXT"), ("attempts", "cgroup", "TEXT"))
 INDEXES = """
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key);
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at);

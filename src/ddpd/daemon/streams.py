@@ -18,11 +18,20 @@ from ..protocol.control import Events, EventView, LogChunk, Logs
 from ..protocol.limits import clip_text
 from .files import read_job_file
 from .journal import Journal
-from .records import Job, rank_log
+from .records import Job, rank_log, rank_log_name, user_attempt_dir
+from .usertree import reader_for
 
 LOG_CHUNK = 128 * 1024  # bytes of a log per item: even escaped 6-fold it stays under the frame limit
 FOLLOW_INTERVAL = 0.2
 EVENT_BATCH = 500
+
+
+def log_path(state_dir: Path, job: Job, attempt: int, rank: int) -> Path:
+    """Where rank `rank` of `attempt` logged: its owner's tree, or (jobs from before it) the old place."""
+    legacy = rank_log(state_dir, job.id, attempt, rank)
+    if legacy.parent.is_dir():  # the daemon's own directory: no job can plant anything there
+        return legacy
+    return user_attempt_dir(state_dir, job.owner_uid, job.id, attempt) / rank_log_name(rank)
 
 
 def _decoders(ranks: list[int]) -> dict[int, codecs.IncrementalDecoder]:
@@ -39,8 +48,10 @@ async def log_chunks(state_dir: Path, job: Job, req: Logs) -> AsyncIterator[LogC
         done = job.finished.is_set() or (attempt != job.attempt)
         got = False
         for r in list(offsets):
+            path = log_path(state_dir, job, attempt, r)
             try:
-                data = await read_job_file(rank_log(state_dir, job.id, attempt, r), offsets[r], LOG_CHUNK)
+                data = await read_job_file(path, offsets[r], LOG_CHUNK,
+                                           opener=reader_for(state_dir, job.owner_uid, path))
             except FileNotFoundError:
                 continue
             except OSError as exc:  # a FIFO, a symlink, a hung read: that rank's log is left out

@@ -21,8 +21,11 @@ All functions block (file system): call them via anyio.to_thread.
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from ddpd.daemon.identity import Identity
@@ -177,3 +180,72 @@ def create_user_file(state_dir: str | Path, identity: Identity, *parts: str, nam
     except BaseException:
         os.close(out)
         raise
+
+
+def open_user_file(state_dir: str | Path, uid: int, path: str | Path) -> int:
+    """A read fd (non-blocking) of `path`, a regular file inside `<state_dir>/users/<uid>/`.
+
+    For the daemon reading what a job wrote (rank logs): every component below the users
+    directory is opened with O_NOFOLLOW, so a directory the user swapped for a symlink (to another
+    user's tree, say) is refused (`UnsafePath`), never followed. FileNotFoundError if missing.
+    """
+    top = Path(state_dir, USERS_DIR, str(uid))
+    try:
+        rel = Path(path).relative_to(top)
+    except ValueError:
+        raise UnsafePath(f"{path} is not in {top}") from None
+    if not rel.parts:
+        raise UnsafePath(f"{path} is not a file in {top}")
+    fd = _open_users(state_dir)
+    where = Path(state_dir, USERS_DIR)
+    try:
+        for part in (str(uid), *rel.parts[:-1]):
+            where = where / _name(part)
+            nxt = _open_dir(fd, part, str(where))
+            os.close(fd)
+            fd = nxt
+        try:
+            out = os.open(_name(rel.parts[-1]), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == _ELOOP:
+                raise UnsafePath(exc.errno, f"{path} is a symlink; not followed") from None
+            raise
+    finally:
+        os.close(fd)
+    try:
+        if not stat.S_ISREG(os.fstat(out).st_mode):
+            raise UnsafePath(f"{path} is not a regular file")
+    except BaseException:
+        os.close(out)
+        raise
+    return out
+
+
+def reader_for(state_dir: str | Path, uid: int, path: str | Path) -> Callable[[str | Path], int] | None:
+    """`open_user_file` bound to the owner's tree when `path` lies in it; None for any other path
+    (files of jobs from before the per-user tree, read with `files.open_job_file`)."""
+    top = Path(state_dir, USERS_DIR, str(uid))
+    if not Path(path).is_relative_to(top):
+        return None
+    return functools.partial(open_user_file, state_dir, uid)
+
+
+def remove_job_dir(state_dir: str | Path, uid: int, job_id: str) -> None:
+    """Delete `<state_dir>/users/<uid>/jobs/<job_id>` and everything in it, following no symlink
+    on the way there or inside (`shutil.rmtree` relative to an fd opened with O_NOFOLLOW)."""
+    try:
+        fd = _open_users(state_dir)
+    except FileNotFoundError:
+        return
+    where = Path(state_dir, USERS_DIR)
+    try:
+        for part in (str(uid), JOBS_DIR):
+            where = where / part
+            nxt = _open_dir(fd, part, str(where))
+            os.close(fd)
+            fd = nxt
+        shutil.rmtree(_name(job_id), dir_fd=fd)
+    except FileNotFoundError:
+        return
+    finally:
+        os.close(fd)

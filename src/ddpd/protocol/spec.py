@@ -33,6 +33,10 @@ MAX_ENV = 256
 MAX_ENV_KEY = 128
 MAX_ENV_VALUE = 16 * 1024
 MAX_OPTIONS = 64
+MAX_ENVIRON = 4096  # names the submitter exported (--export)
+MAX_ENVIRON_VALUE = 128 * 1024
+MAX_ENVIRON_TOTAL = 1 << 20  # bytes of names and values together (the request limit is tighter still)
+MAX_EXPORT = 4096
 MAX_OPTION_KEY = 64
 MAX_OPTION_TEXT = 4096
 
@@ -77,6 +81,13 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     priority: Annotated[int, msgspec.Meta(gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)] = 0
     options: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_OPTION_KEY)], OptionValue],
                        msgspec.Meta(max_length=MAX_OPTIONS)] = msgspec.field(default_factory=dict)
+    # the submitter's interpreter and environment (Slurm's --export); None (an older client): the
+    # daemon's interpreter and environment, as before
+    python: Annotated[str, msgspec.Meta(max_length=MAX_PATH)] | None = None
+    environ: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_ENV_KEY)],
+                            Annotated[str, msgspec.Meta(max_length=MAX_ENVIRON_VALUE)]],
+                       msgspec.Meta(max_length=MAX_ENVIRON)] | None = None
+    export: Annotated[str, msgspec.Meta(max_length=MAX_EXPORT)] = ""  # ALL, NONE or the names, for display
 
 
 class SpecError(ValueError):
@@ -128,6 +139,8 @@ def check_spec(spec: JobSpec) -> JobSpec:
             raise SpecError(f"env.{key}", "is set by the daemon for every rank and cannot be overridden")
     if spec.workdir is not None and not spec.workdir.startswith("/"):
         raise SpecError("workdir", f"must be an absolute path, got {spec.workdir!r}")
+    if spec.python is not None and not spec.python.startswith("/"):
+        raise SpecError("python", f"must be an absolute path to an interpreter, got {spec.python!r}")
     return spec
 
 
@@ -148,6 +161,11 @@ def _check_texts(spec: JobSpec) -> None:
     for key, value in spec.env.items():
         check_text(f"env.{key[:MAX_ENV_KEY]!r}", key, MAX_ENV_KEY)
         check_text(f"env.{key}", value, MAX_ENV_VALUE)
+    if spec.python is not None:
+        check_text("python", spec.python, MAX_PATH)
+    check_text("export", spec.export, MAX_EXPORT)
+    if spec.environ is not None:
+        check_environ(spec.environ)
     if len(spec.options) > MAX_OPTIONS:
         raise SpecError("options", f"more than {MAX_OPTIONS} options")
     for key, option in spec.options.items():
@@ -158,3 +176,24 @@ def _check_texts(spec: JobSpec) -> None:
             raise SpecError(f"options.{key}", f"must be a finite number, got {option}")
         elif isinstance(option, int) and not isinstance(option, bool) and not INT64_MIN <= option <= INT64_MAX:
             raise SpecError(f"options.{key}", "out of the 64-bit integer range")
+
+
+def check_environ(environ: dict[str, str]) -> None:
+    """The exported environment: names as a shell could export them, values without NUL, bounded.
+
+    Values may hold newlines and other control characters (an exported shell function does);
+    reserved names are not refused here: the daemon's values win over them at launch.
+    """
+    if len(environ) > MAX_ENVIRON:
+        raise SpecError("environ", f"more than {MAX_ENVIRON} variables")
+    total = 0
+    for key, value in environ.items():
+        if not key or "=" in key or "\0" in key or len(key) > MAX_ENV_KEY:
+            raise SpecError(f"environ.{key[:MAX_ENV_KEY]!r}", "not an environment variable name")
+        if "\0" in value:
+            raise SpecError(f"environ.{key}", "contains a NUL character")
+        if len(value) > MAX_ENVIRON_VALUE:
+            raise SpecError(f"environ.{key}", f"longer than {MAX_ENVIRON_VALUE} characters")
+        total += len(key) + len(value) + 2
+    if total > MAX_ENVIRON_TOTAL:
+        raise SpecError("environ", f"{total} bytes in all, more than {MAX_ENVIRON_TOTAL}")
