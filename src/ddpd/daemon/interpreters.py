@@ -24,10 +24,16 @@ CACHE_SIZE = 256
 CONCURRENT_CHECKS = 4
 
 
+# what decides whether `import torch, ddpd.worker` works: the rest (PWD, a prompt, a token) does not,
+# so a submit from another directory of the same shell is not checked again
+_IMPORT_ENV_PREFIXES = ("PYTHON", "LD_", "PATH", "VIRTUAL_ENV", "CONDA_", "HOME")
+
+
 def environment_digest(env: Mapping[str, str]) -> str:
-    """A digest of an environment (names and values, order-free): a key, never the values themselves."""
+    """A digest of the variables that decide an import (names and values, order-free): a cache key,
+    never the values themselves."""
     h = hashlib.sha256()
-    for key in sorted(env):
+    for key in sorted(k for k in env if k.startswith(_IMPORT_ENV_PREFIXES)):
         h.update(key.encode("utf-8", "surrogateescape") + b"\0" + env[key].encode("utf-8", "surrogateescape") + b"\0")
     return h.hexdigest()
 

@@ -33,7 +33,7 @@ from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
 from .identity import Identity, job_environment
-from .pool import WarmPool, pool_eligible, pool_env
+from .pool import COLD_ENV_PREFIXES, POOL_SAFE_ENV, WarmPool, pool_eligible, pool_env
 from .ranks import RankHandle
 from .records import Job, Rank
 from .rendezvous import Rendezvous
@@ -93,6 +93,27 @@ def base_env(job: Job, identity: Identity) -> dict[str, str]:
     return job_environment(identity, exported, {}, {})
 
 
+def same_interpreter(a: str, b: str) -> bool:
+    """The same interpreter of the same environment: the same file name's directory (a venv's `bin`,
+    resolved), and the same resolved file. Two venvs over one base interpreter are not the same."""
+    return (os.path.realpath(os.path.dirname(a)) == os.path.realpath(os.path.dirname(b))
+            and os.path.realpath(a) == os.path.realpath(b))
+
+
+def pool_fits(python: str | None, environ: Mapping[str, str] | None, pool_base: Mapping[str, str],
+              pool_python: str) -> bool:
+    """Whether a pooled interpreter can become a rank of this job: the job runs the pool's interpreter,
+    and every variable read at interpreter or torch start has the value the pool started with (the
+    rest of the job's environment is applied on assignment)."""
+    if python is not None and not same_interpreter(python, pool_python):
+        return False
+    if environ is None:
+        return True
+    keys = {k for k in (*environ, *pool_base)
+            if k.startswith(COLD_ENV_PREFIXES) and k not in POOL_SAFE_ENV and k != "PYTHONUNBUFFERED"}
+    return all(environ.get(k) == pool_base.get(k) for k in keys)
+
+
 class Launcher:
     """Starts the ranks of one attempt (cold, or from the warm pool when the job may use it)."""
 
@@ -107,9 +128,10 @@ class Launcher:
         self.attempt_dir = attempt_dir
         self.run_as = run_as  # the submitter, when this (root) daemon starts ranks as another user
         self.place = place  # enters a rank into the attempt's cgroup, where there is one
-        own = job.spec.python is None and job.spec.environ is None and run_as is None
-        self.pool = pool if pool is not None and own and pool_eligible(job.spec) is None else None
         self.base = base_env(job, identity)
+        self.pool_base = pool_env()  # what a pooled interpreter was started with
+        fits = run_as is None and pool_fits(job.spec.python, job.spec.environ, self.pool_base, self._pool_python())
+        self.pool = pool if pool is not None and fits and pool_eligible(job.spec) is None else None
         self.cwd = job.spec.workdir or str(job_dir)
         self.checkpoint_dir = checkpoint_dir
         self.envs: dict[int, dict[str, str]] = {}
@@ -119,6 +141,9 @@ class Launcher:
             self.envs[rank] = rank_env(self.base, self.job, self.number, rank, self.rdzv, self.marker,
                                        self.attempt_dir / f"rank-{rank}-error.json", self.defaults)
         return self.envs[rank]
+
+    def _pool_python(self) -> str:
+        return (self.config.worker_command or (sys.executable,))[0]
 
     def argv_prefix(self) -> tuple[str, ...]:
         if self.job.spec.python is not None:
@@ -171,8 +196,10 @@ class Launcher:
         if spec.environ is not None:  # the rank runs in it already: no need to carry it again
             spec = msgspec.structs.replace(spec, environ=None)
         env: dict[str, str] = {}
+        unset: list[str] = []
         if h.pooled:  # started before the job: it gets what its environment lacks, and the job's directory
-            env = {k: v for k, v in self.env(rank.rank).items() if self.base.get(k) != v}
+            env = {k: v for k, v in self.env(rank.rank).items() if self.pool_base.get(k) != v}
+            unset = sorted(k for k in self.pool_base if k not in self.env(rank.rank))
             if not spec.workdir:
                 spec = msgspec.structs.replace(spec, workdir=self.cwd)
         return Assign(
@@ -181,5 +208,5 @@ class Launcher:
             store_port=self.rdzv.port, spec=spec, env=env, heartbeat_interval=self.config.heartbeat_interval,
             join_timeout=self.join_timeout,
             checkpoint_dir=str(self.checkpoint_dir),
-            pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "",
+            pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "", unset=unset,
         )

@@ -333,7 +333,7 @@ class ControlServer:
                 await self.scheduler.remove(job, uid)
                 yield Ok(id=rid, result=None)
             case StacksReq(job_id=job_id, rank=rank, native=native):
-                job = await self._owned(job_id, uid, "inspect")
+                job = await self._detailed(job_id, uid, "stacks")
                 attempt = self.scheduler.attempts.get(job.id)
                 if attempt is None or job.state.final:
                     raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job.id} is {job.state.value}, not running")

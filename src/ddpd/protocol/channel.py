@@ -112,6 +112,7 @@ class Assign(_W, tag="assign"):
     checkpoint_dir: str
     pgid: int = 0  # 0: already in the right group (cold spawn); else setpgid to it
     log_path: str = ""  # "": keep stdout/stderr (cold spawn); else append both to this file (warm pool)
+    unset: list[str] = msgspec.field(default_factory=list)  # warm pool: variables the job's environment lacks
 
 
 class Stop(_W, tag="stop"):

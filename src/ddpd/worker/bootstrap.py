@@ -138,6 +138,8 @@ def apply_assignment(assign: Assign) -> None:
         os.setpgid(0, assign.pgid)
     if assign.log_path:
         redirect_output(assign.log_path)
+    for key in assign.unset:
+        os.environ.pop(key, None)
     os.environ.update(assign.env)
     if assign.spec.workdir:
         start = os.getcwd()
