@@ -166,3 +166,24 @@ def flood_heartbeats(ctx: TaskContext) -> Task:
                 view = view[os.write(fd, view):]
 
     return _at_step(ctx, slow(ctx), flood)
+
+
+def fill_log(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` writes `options["log_bytes"]` bytes (8 MiB) of lines to its log as fast as it
+    can at step `options["at_step"]` (prints ``FILLING`` first), then trains on; `log_bytes` 0 writes
+    without end."""
+    import os
+
+    total = int(ctx.options.get("log_bytes", 8 << 20))
+    block = b"".join(b"%07d %s\n" % (i, b"f" * 120) for i in range(8192))  # about 1 MiB of whole lines
+
+    def fill(step: int) -> None:
+        print("FILLING", flush=True)
+        written = 0
+        while total == 0 or written < total:
+            view = memoryview(block)
+            while view:
+                view = view[os.write(1, view):]  # fd 1 is the rank log the daemon opened for it
+            written += len(block)
+
+    return _at_step(ctx, slow(ctx), fill, default_step=1)
