@@ -30,7 +30,7 @@ from ddpd.protocol.control import EventView, JobView
 from ..conftest import DaemonProc, assert_nothing_left
 from ..rawclient import all_jobs, serving_daemon
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.soak]
 
 SEED = 20261203
 PING_BOUND = 2.0  # seconds for one ping (connect, hello, ping) on a shared 2-core machine
