@@ -4,6 +4,7 @@ during the rotation, and the tricks a job can play with its log path."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,15 @@ def test_rotation_moves_the_newest_part_to_dot_1_and_truncates_in_place(tmp_path
     assert kept == b"".join(lines[-20:])  # the last 100 bytes, cut at a line boundary
     assert (done.kept, done.dropped) == (100, 400)
     assert log.read_bytes() == b"" and log.stat().st_ino == inode  # the same file, now empty
+
+
+def test_the_backup_takes_the_live_logs_mode(tmp_path: Path) -> None:
+    log = tmp_path / "rank-1.log"
+    log.write_bytes(b"m\n" * 100)
+    log.chmod(0o600)
+    assert rotate(log, 100) is not None
+    backup = (tmp_path / "rank-1.log.1").stat()
+    assert stat.S_IMODE(backup.st_mode) == 0o600 and backup.st_uid == log.stat().st_uid
 
 
 def test_a_writer_appending_during_rotation_keeps_writing_to_the_live_file(tmp_path: Path) -> None:

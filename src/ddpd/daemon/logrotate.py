@@ -14,6 +14,7 @@ with pread and truncates with ftruncate, so a swapped path cannot redirect it. T
 made in the log's directory (opened O_DIRECTORY|O_NOFOLLOW) by unlinking whatever has its name
 and creating it with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink planted there is removed, never followed,
 and a file recreated in between makes the rotation give up (the live log is then not truncated).
+The backup takes the live log's mode (and, for a daemon running as root, its owner).
 
 `plan` and `line_start` are the pure policy; `Throttle` says when to look again (at most once a
 second per rank); `rotate` is blocking (call it from a thread: `rotate_in_thread` does, on the
@@ -147,12 +148,16 @@ def _check_regular(fd: int, name: StrPath) -> os.stat_result:
 
 
 def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str) -> Rotated | None:
-    due = plan(_check_regular(fd, name).st_size, max_bytes)
+    st = _check_regular(fd, name)
+    due = plan(st.st_size, max_bytes)
     if due is None:
         return None
     start = due.start + line_start(os.pread(fd, LINE_SEARCH, due.start - 1))  # plan: start >= 1
     out = _create_backup(backup)
     try:
+        os.fchmod(out, stat.S_IMODE(st.st_mode) & 0o666)  # readable by whoever may read the live log
+        if os.geteuid() == 0:
+            os.fchown(out, st.st_uid, st.st_gid)  # a system daemon: the backup is the rank owner's too
         end = _copy(fd, out, start, due.end)
         grown = _check_regular(fd, name).st_size
         if grown > end:  # what the rank wrote during the copy, up to another half limit
