@@ -1,4 +1,5 @@
 # Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+# `make unit` is the fast tier: tests/unit starts no torch worker and takes well under a minute.
 PYTHON ?= python3.11
 VENV ?= .venv
 # Override to keep your own build, e.g. TORCH_SPEC='torch>=2.4' (CUDA users) or an already installed one.
@@ -27,7 +28,7 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 unit: setup
-	$(BIN)/python -m pytest -q -m 'not slow'
+	$(BIN)/python -m pytest -q tests/unit
 
 bench: setup
 	$(BIN)/python -m benchmarks

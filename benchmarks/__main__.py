@@ -3,7 +3,8 @@
 Runs, in one process and on the same work, alternating the launchers in every repetition:
 launch and end to end (the classic job), detection (a rank SIGKILLed), throughput (the mlp
 model) with the daemon's cost while supervising, the daemon at scale (simulated workers), and its
-start-up and memory with a long history of ended jobs.
+start-up and memory with a long history of ended jobs, and ping latency while hostile jobs and
+clients run (``hostile``).
 Prints medians, min-max ranges and ratios, then the issue's targets, met or missed.
 
 Two daemons serve the ddpd runs: ``ddpd`` with a warm pool (``pool_size``, default 2) and
@@ -48,6 +49,7 @@ from .common import (
 from .context import Ctx, Plan
 from .detect import bench_detect
 from .history import bench_history
+from .hostile import bench_hostile
 from .launch import bench_launch
 from .loop import bench_loop
 from .report import dump_json, print_report
@@ -61,6 +63,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "scale": bench_scale,
     "loop": bench_loop,
     "history": bench_history,
+    "hostile": bench_hostile,
 }
 
 
@@ -120,6 +123,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         await run_bench(ctx, "scale")
     if "history" in names:
         await run_bench(ctx, "history")
+    if "hostile" in names:
+        await run_bench(ctx, "hostile")
     if "loop" in names:
         await run_bench(ctx, "loop")
 

@@ -166,3 +166,50 @@ def flood_heartbeats(ctx: TaskContext) -> Task:
                 view = view[os.write(fd, view):]
 
     return _at_step(ctx, slow(ctx), flood)
+
+
+def fill_log(ctx: TaskContext) -> Task:
+    """Rank `options["rank"]` writes `options["log_bytes"]` bytes (8 MiB) of lines to its log as fast as it
+    can at step `options["at_step"]` (prints ``FILLING`` first), then trains on. With `options["wrap"]`
+    it never stops: each time it has written `log_bytes` it empties its log and goes on (so the disk
+    holds at most `log_bytes` of it)."""
+    import os
+
+    total = int(ctx.options.get("log_bytes", 8 << 20))
+    wrap = bool(ctx.options.get("wrap", False))
+    block = b"".join(b"%07d %s\n" % (i, b"f" * 120) for i in range(8192))  # about 1 MiB of whole lines
+
+    def fill(step: int) -> None:
+        print("FILLING", flush=True)
+        written = 0
+        while True:
+            view = memoryview(block)
+            while view:
+                view = view[os.write(1, view):]  # fd 1 is the rank log (O_APPEND) the daemon opened for it
+            written += len(block)
+            if written >= total:
+                if not wrap:
+                    return
+                os.ftruncate(1, 0)
+                written = 0
+
+    return _at_step(ctx, slow(ctx), fill, default_step=1)
+
+
+def symlink_log(ctx: TaskContext) -> Task:
+    """Each rank with `options["target<rank>"]` replaces its own rank log by a symlink to that path at
+    step `options["at_step"]` (prints ``SWAPPED`` first, into the real log), then trains on slowly."""
+    import os
+
+    target = ctx.options.get(f"target{ctx.rank}")
+    if target is None:
+        return slow(ctx)
+
+    def swap(step: int) -> None:
+        path = os.readlink("/proc/self/fd/1")  # the rank log the daemon opened for it
+        print("SWAPPED", flush=True)
+        os.unlink(path)
+        os.symlink(str(target), path)
+
+    at_step = int(ctx.options.get("at_step", 2))
+    return dataclasses.replace(slow(ctx), on_step=lambda step: swap(step) if step == at_step else None)

@@ -32,7 +32,8 @@ from ddpd.protocol.channel import (
     WorkerMessage,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from ..conftest import REPO
+
 TIMEOUT = 60.0  # bound on any one wait (a cold `import torch` on a busy CI box takes seconds)
 
 

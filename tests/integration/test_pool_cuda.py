@@ -28,7 +28,8 @@ import pytest
 from ddpd.protocol import Decoder, LineSplitter
 from ddpd.protocol.channel import Hello, WorkerMessage
 
-REPO = Path(__file__).resolve().parents[2]
+from ..conftest import REPO
+
 TIMEOUT = 120.0  # a cold `import torch` and the pre-imports on a busy machine
 
 # torch.cuda functions that reach the CUDA runtime or read CUDA_VISIBLE_DEVICES, and the torch._C
