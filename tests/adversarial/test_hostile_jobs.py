@@ -7,6 +7,8 @@ mixes them all.)
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import anyio
@@ -16,7 +18,7 @@ from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left
 from ..faults.helpers import Pinger
-from ..rawclient import cancel, ping_within
+from ..rawclient import cancel, ping_within, serving_daemon
 
 pytestmark = pytest.mark.anyio
 
@@ -99,3 +101,27 @@ async def test_a_rank_writing_its_log_flat_out_while_followed(door: DaemonProc) 
           f"over {pinger.count} pings")
     await ping_within(door.client, PING_BOUND)
     assert_nothing_left([view])
+
+
+async def test_a_rank_log_past_its_limit_rotates_keeping_the_newest(short_tmp: Path) -> None:
+    """A rank writing 4 MiB into a log limited to 256 KiB: the daemon rotates it on its own fd (the
+    newest part moves to rank-0.log.1, the live log starts over), the job ends as usual, and `logs`
+    keeps reading the live log."""
+    config = short_tmp / "ddpd.toml"
+    config.write_text(f"rank_log_max = {256 * 1024}\n")
+    async with serving_daemon(short_tmp, "--config", str(config)) as d:
+        job_id = await d.client.submit(d.spec(task="tests.tasks:fill_log", nproc=1, steps=40,
+                                              options={"log_bytes": 4 << 20, "rank": 0, "at_step": 1,
+                                                       "step_sleep": 0.1}))
+        rotated = await d.wait_event(job_id, lambda e: e.kind == "rank.log_rotated")
+        assert rotated.data["kept"] <= 128 * 1024 and rotated.data["dropped"] > 0
+        with anyio.fail_after(120):
+            job = await d.client.wait(job_id)
+        assert job.state == JobState.SUCCEEDED, job.root_cause
+        log = job.ranks[0].log or ""
+        backup = os.stat(f"{log}.1")
+        assert stat.S_ISREG(backup.st_mode) and backup.st_size <= 128 * 1024
+        assert os.stat(log).st_size < 4 << 20  # the live log did not keep the whole 4 MiB
+        chunks = [c async for c in d.client.logs(job_id)]
+        assert all(not c.error for c in chunks)
+        assert_nothing_left([job])

@@ -41,6 +41,7 @@ from .gpus import nccl_env
 from .identity import Identity, UnknownUser
 from .journal import Journal
 from .launch import Launcher
+from .logrotate import rotate_in_thread
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
@@ -58,6 +59,12 @@ __all__ = ["Attempt", "Outcome"]
 
 def boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def reopen_rw(fd: int) -> int:
+    """The same file as `fd` (a write-only rank log), opened again read-write for rotation: through
+    /proc/self/fd, so no path the job can swap is involved."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
 class Attempt:
@@ -177,6 +184,9 @@ class Attempt:
         finally:
             for h in self.handles:
                 h.channel.close()
+                if h.log_fd is not None:
+                    os.close(h.log_fd)
+                    h.log_fd = None
             rdzv.close()
         assert self.outcome is not None
         return self._finish_outcome(self.outcome)
@@ -222,6 +232,8 @@ class Attempt:
                 log_fd = await anyio.to_thread.run_sync(self._create_log, r)
                 try:
                     h = launcher.start(r, log_path, log_fd, self.gang.pgid)
+                    if not h.pooled:  # a pooled rank appends to a log it creates itself: not rotated
+                        h.log_fd = reopen_rw(log_fd)
                 finally:
                     os.close(log_fd)
             except OSError as exc:
@@ -274,9 +286,33 @@ class Attempt:
         with bound_contextvars(job_id=self.job.id, attempt=self.number, rank=h.rank.rank):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_exit, h, self)
+                rotation = anyio.CancelScope()
+                if h.log_fd is not None:
+                    tg.start_soon(self._rotate_log, h, rotation)
                 if h.hello is not None:  # a pooled rank said hello to the pool
                     await self.connected(h, h.hello)
                 await read_frames(h, self)
+                rotation.cancel()  # the reader is done: no more heartbeats will ask for a check
+
+    async def _rotate_log(self, h: RankHandle, scope: anyio.CancelScope) -> None:
+        """Keep the rank's log under `rank_log_max`: checked when the reader says a check is due (on
+        heartbeats, at most once a second), rotated off the loop on the daemon's own fd of the file.
+        Ends with the rank's reader (`scope` is cancelled then)."""
+        with scope:
+            await self._rotations(h)
+
+    async def _rotations(self, h: RankHandle) -> None:
+        while h.log_fd is not None:
+            await h.log_tick.wait()
+            h.log_tick = anyio.Event()
+            try:
+                done = await rotate_in_thread(h.log_fd, self.config.rank_log_max, f"{h.rank.log}.1")
+            except OSError as exc:
+                self.log.warning("rank.log_rotation_failed", rank=h.rank.rank, error=str(exc))
+                return
+            if done is not None:
+                await self.journal.event(self.job, "rank.log_rotated", rank=h.rank.rank, kept=done.kept,
+                                         dropped=done.dropped)
 
     async def connected(self, h: RankHandle, hello: Hello) -> None:
         """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.

@@ -16,7 +16,7 @@ import anyio
 
 from ..protocol.control import Events, EventView, LogChunk, Logs
 from ..protocol.limits import clip_text
-from .files import read_job_file
+from .files import job_file_size, read_job_file
 from .journal import Journal
 from .records import Job, rank_log, rank_log_name, user_attempt_dir
 from .usertree import reader_for
@@ -58,6 +58,10 @@ async def log_chunks(state_dir: Path, job: Job, req: Logs) -> AsyncIterator[LogC
                 del offsets[r]
                 yield LogChunk(rank=r, attempt=attempt, text="",
                                error=clip_text(f"rank {r}'s log cannot be read: {exc.strerror or exc}", 2000))
+                continue
+            if not data and offsets[r] and await job_file_size(
+                    path, opener=reader_for(state_dir, job.owner_uid, path)) < offsets[r]:
+                offsets[r] = 0  # rotated (truncated in place): the live log starts over
                 continue
             if data:
                 got = True
