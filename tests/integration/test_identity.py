@@ -33,6 +33,7 @@ from ..scripts.userpython import USER_PYTHON, user_env, why_unusable
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
     pytest.mark.skipif(os.geteuid() != 0, reason="running jobs as other users needs root"),
 ]
 

@@ -27,11 +27,14 @@ from ddpd.daemon.identity import Identity, check_interpreter, popen_kwargs
 from ddpd.daemon.usertree import create_user_file, ensure_base, job_dir
 from tests.conftest import assert_gone
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as other users needs root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="acting as other users needs root"),
+    pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
+]
 
 PROC_TIMEOUT = 30
 SYSTEM_PYTHON = "/usr/bin/python3.11"
-VENV_PYTHON = "/work/main/.venv/bin/python"
+VENV_PYTHON = sys.executable  # the suite's own interpreter (a venv under /root, mode 0700, on CI)
 
 
 def _useradd(name: str) -> Identity:

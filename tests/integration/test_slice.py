@@ -61,11 +61,11 @@ async def test_status_shows_ranks_joined_while_training(daemon: DaemonProc) -> N
 
 
 @pytest.mark.slow
-async def test_two_layer_succeeds_twenty_times_in_a_row(daemon: DaemonProc) -> None:
+async def test_two_layer_succeeds_ten_times_in_a_row(daemon: DaemonProc) -> None:
     """Bug guard: under torchrun and mp.spawn 3-10% of runs die of SIGABRT after destroy_process_group
-    (20 runs catch a 10% rate 88% of the time; `benchmarks` runs the job many more times)."""
+    (10 runs catch a 10% rate 65% of the time, every CI run; `benchmarks` runs the job many more times)."""
     results: list[JobView] = []
-    for _ in range(20):
+    for _ in range(10):
         job = await daemon.run(daemon.spec(task="two-layer", nproc=2))
         results.append(job)
         assert job.state == JobState.SUCCEEDED, (len(results), job.root_cause)
