@@ -5,6 +5,9 @@ VENV ?= .venv
 # Override to keep your own build, e.g. TORCH_SPEC='torch>=2.4' (CUDA users) or an already installed one.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# pytest-xdist workers for `make test`: most tests wait on real processes and timeouts, so two
+# workers halve the suite on a 2-core machine (tests that create users share one worker)
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint unit bench bench-short clean
 
@@ -25,7 +28,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
