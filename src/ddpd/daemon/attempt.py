@@ -41,7 +41,6 @@ from .gpus import nccl_env
 from .identity import Identity, UnknownUser
 from .journal import Journal
 from .launch import Launcher
-from .logrotate import rotate_in_thread
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
@@ -50,7 +49,8 @@ from .rendezvous import RendezvousError, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
 from .stacks import collect, find_py_spy
 from .teardown import escalate
-from .usertree import JOBS_DIR, create_user_file, ensure_base, ensure_dirs, open_user_file
+from .usertree import open_user_file
+from .workspace import create_log, keep_rotated, prepare_dirs, reopen_rw
 
 log = structlog.get_logger("ddpd")
 
@@ -59,12 +59,6 @@ __all__ = ["Attempt", "Outcome"]
 
 def boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
-
-
-def reopen_rw(fd: int) -> int:
-    """The same file as `fd` (a write-only rank log), opened again read-write for rotation: through
-    /proc/self/fd, so no path the job can swap is involved."""
-    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
 class Attempt:
@@ -212,8 +206,9 @@ class Attempt:
 
     async def _launch(self, tg: anyio.abc.TaskGroup, launcher: Launcher) -> None:
         job = self.job
+        assert self.identity is not None
         try:
-            await anyio.to_thread.run_sync(self._prepare_dirs)
+            await anyio.to_thread.run_sync(prepare_dirs, self.config.state_dir, self.identity, job.id, self.number)
         except OSError as exc:
             self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
                 reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
@@ -229,7 +224,8 @@ class Attempt:
                 return
             log_path = self.dir / rank_log_name(r)
             try:
-                log_fd = await anyio.to_thread.run_sync(self._create_log, r)
+                log_fd = await anyio.to_thread.run_sync(create_log, self.config.state_dir, self.identity, job.id,
+                                                        self.number, r)
                 try:
                     h = launcher.start(r, log_path, log_fd, self.gang.pgid)
                     if not h.pooled:  # a pooled rank appends to a log it creates itself: not rotated
@@ -268,19 +264,6 @@ class Attempt:
         self.gang.cgroup = cg
         return str(cg.path)
 
-    def _prepare_dirs(self) -> None:
-        """The attempt's directory and the job's checkpoints, its owner's (blocking: from a thread)."""
-        assert self.identity is not None
-        ensure_base(self.config.state_dir)
-        ensure_dirs(self.config.state_dir, self.identity, JOBS_DIR, self.job.id, f"attempt-{self.number}")
-        ensure_dirs(self.config.state_dir, self.identity, JOBS_DIR, self.job.id, "checkpoints")
-
-    def _create_log(self, rank: int) -> int:
-        """Rank `rank`'s log, created in its owner's tree without following anything (blocking)."""
-        assert self.identity is not None
-        return create_user_file(self.config.state_dir, self.identity, JOBS_DIR, self.job.id,
-                                f"attempt-{self.number}", name=rank_log_name(rank))
-
     async def _rank_tasks(self, h: RankHandle) -> None:
         """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""
         with bound_contextvars(job_id=self.job.id, attempt=self.number, rank=h.rank.rank):
@@ -288,31 +271,11 @@ class Attempt:
                 tg.start_soon(watch_exit, h, self)
                 rotation = anyio.CancelScope()
                 if h.log_fd is not None:
-                    tg.start_soon(self._rotate_log, h, rotation)
+                    tg.start_soon(keep_rotated, h, self.config.rank_log_max, self.journal, self.job, rotation)
                 if h.hello is not None:  # a pooled rank said hello to the pool
                     await self.connected(h, h.hello)
                 await read_frames(h, self)
                 rotation.cancel()  # the reader is done: no more heartbeats will ask for a check
-
-    async def _rotate_log(self, h: RankHandle, scope: anyio.CancelScope) -> None:
-        """Keep the rank's log under `rank_log_max`: checked when the reader says a check is due (on
-        heartbeats, at most once a second), rotated off the loop on the daemon's own fd of the file.
-        Ends with the rank's reader (`scope` is cancelled then)."""
-        with scope:
-            await self._rotations(h)
-
-    async def _rotations(self, h: RankHandle) -> None:
-        while h.log_fd is not None:
-            await h.log_tick.wait()
-            h.log_tick = anyio.Event()
-            try:
-                done = await rotate_in_thread(h.log_fd, self.config.rank_log_max, f"{h.rank.log}.1")
-            except OSError as exc:
-                self.log.warning("rank.log_rotation_failed", rank=h.rank.rank, error=str(exc))
-                return
-            if done is not None:
-                await self.journal.event(self.job, "rank.log_rotated", rank=h.rank.rank, kept=done.kept,
-                                         dropped=done.dropped)
 
     async def connected(self, h: RankHandle, hello: Hello) -> None:
         """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.
