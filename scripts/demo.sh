@@ -3,7 +3,8 @@
 set -euo pipefail
 dir=$(mktemp -d /tmp/ddpd-demo.XXXXXX)
 export DDPD_SOCKET="$dir/ddpd.sock"
-ddpd serve --socket "$DDPD_SOCKET" --state-dir "$dir/state" --log-format json 2>"$dir/daemon.log" &
+# a private daemon of whoever runs the demo: root may run its own jobs in it (a system daemon refuses them)
+ddpd serve --socket "$DDPD_SOCKET" --state-dir "$dir/state" --log-format json --allow-root-jobs 2>"$dir/daemon.log" &
 daemon=$!
 cleanup() {
     kill -TERM "$daemon" 2>/dev/null || true
