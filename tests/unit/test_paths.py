@@ -89,3 +89,19 @@ def test_the_runtime_dir_is_created_private(tmp_path: Path) -> None:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o700
     make_runtime_dir(path)  # again: it exists, and is fine
+
+
+@as_root
+def test_the_daemon_refuses_a_default_runtime_directory_someone_else_made(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon side: another user who created `$XDG_RUNTIME_DIR/ddpd` first does not get the socket."""
+    from ddpd.daemon.server import prepare_socket_path
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    taken = tmp_path / "ddpd"
+    taken.mkdir(mode=0o755)
+    os.chown(taken, OTHER_UID, OTHER_UID)
+    with pytest.raises(OSError, match=str(OTHER_UID)):
+        prepare_socket_path(taken / "ddpd.sock")
+    os.chown(taken, 0, 0)
+    prepare_socket_path(taken / "ddpd.sock")  # the user's own: accepted

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..protocol.paths import client_socket_path
+from ..protocol.paths import UnsafeSocketDir, client_socket_path
 from .config import ConfigError, load_config
 from .errors import StorageError
 
@@ -96,7 +96,11 @@ def health(socket_path: Path | None, timeout: float) -> None:
     """Exit 0 when the daemon answers a ping, 1 otherwise (for probes)."""
     import socket as _socket
 
-    path = socket_path or client_socket_path()
+    try:
+        path = socket_path or client_socket_path()
+    except UnsafeSocketDir as exc:
+        click.echo(f"unhealthy: {exc}", err=True)
+        sys.exit(1)
     try:
         with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)

@@ -61,6 +61,7 @@ from ..protocol.control import (
     reply_id,
 )
 from ..protocol.limits import clip_text
+from ..protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_dir
 from ..protocol.spec import reserved_env
 from .config import ConfigError
 from .errors import DaemonError
@@ -113,7 +114,13 @@ def peer_uid(stream: SocketStream) -> int:
 
 
 def prepare_socket_path(path: Path) -> None:
-    """Refuse to steal the socket of a live daemon; remove a stale one."""
+    """Refuse to steal the socket of a live daemon; remove a stale one. The default per-user runtime
+    directory is created 0700 and refused when someone else controls it (they could take the socket)."""
+    if path.parent == user_runtime_dir():
+        try:
+            make_runtime_dir(path.parent)
+        except UnsafeSocketDir as exc:
+            raise OSError(str(exc)) from None
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
