@@ -324,7 +324,7 @@ async def start_daemon(base: Path, name: str, *, config: dict[str, Any] | None =
     root.mkdir(parents=True)
     sock, state, log_path, cfg = root / "s", root / "state", root / "daemon.log", root / "ddpd.toml"
     argv = [PYTHON, "-m", "ddpd.daemon", "serve", "--socket", str(sock), "--state-dir", str(state),
-            "--log-format", "json", *flags]
+            "--log-format", "json", "--allow-root-jobs", *flags]  # a private daemon: its runner's own jobs
     if config:
         write_config(cfg, config)
         argv += ["--config", str(cfg)]
