@@ -52,6 +52,7 @@ from .history import bench_history
 from .hostile import bench_hostile
 from .launch import bench_launch
 from .loop import bench_loop
+from .optimizer_hook import bench_optimizer_hook
 from .report import dump_json, print_report
 from .scale import bench_scale
 from .throughput import bench_throughput, daemon_idle
@@ -63,6 +64,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "scale": bench_scale,
     "loop": bench_loop,
     "history": bench_history,
+    "optimizer_hook": bench_optimizer_hook,
     "hostile": bench_hostile,
 }
 

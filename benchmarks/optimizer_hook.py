@@ -2,6 +2,7 @@
 
     python -m benchmarks.optimizer_hook                    # tiny model, 5 rounds of 3000 steps each way
     python -m benchmarks.optimizer_hook --rounds 9 --steps 10000
+    python -m benchmarks --only optimizer_hook            # in the suite (--short: 3 rounds of 1000)
 
 In one process, in the same run, alternating (the order reverses between rounds): a tiny model
 (Linear(10,10), ReLU, Linear(10,1); batch 8; SGD) trained `--steps` steps bare, and the same with
@@ -19,7 +20,10 @@ import socket
 import statistics
 import threading
 import time
+from typing import Any
 
+import anyio
+import anyio.to_thread
 import torch
 from torch import nn
 
@@ -45,30 +49,63 @@ def steps_per_second(steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
+def measure(rounds: int, steps: int) -> dict[str, Any]:
+    """Each round's steps per second bare and hooked, alternating, and the ratios (hooked / bare)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ours, theirs = socket.socketpair()
+    threading.Thread(target=_drain, args=(theirs,), daemon=True).start()
+    runtime = Runtime(Channel(ours, os.getpgrp()))
+    try:
+        steps_per_second(steps // 10)  # warm-up
+        rows: list[dict[str, float]] = []
+        for r in range(rounds):
+            measured: dict[bool, float] = {}
+            for hooked in ((False, True) if r % 2 == 0 else (True, False)):
+                handle = count_optimizer_steps(runtime) if hooked else None
+                measured[hooked] = steps_per_second(steps)
+                if handle is not None:
+                    handle.remove()
+            rows.append({"bare": measured[False], "hooked": measured[True],
+                         "ratio": measured[True] / measured[False]})
+    finally:
+        ours.close()
+        torch.set_num_threads(threads)
+    ratios = [row["ratio"] for row in rows]
+    return {"steps": steps, "rounds": rows, "counted": runtime.step, "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+def summary(result: dict[str, Any]) -> str:
+    return (f"hooked / bare: median {result['ratio_median']:.3f} (range {result['ratio_min']:.3f}-"
+            f"{result['ratio_max']:.3f}); target >= 0.98; counted {result['counted']} steps")
+
+
+async def bench_optimizer_hook(ctx: Any) -> None:
+    """The suite's entry (``BENCHES["optimizer_hook"]``): steps/s of the tiny model, bare and hooked."""
+    rounds, steps = (3, 1000) if ctx.plan.short else (5, 3000)
+    ctx.console.print(f"[bold]optimizer_hook[/bold] (a script's step counter: {rounds} rounds of {steps} steps)")
+    result = await anyio.to_thread.run_sync(measure, rounds, steps)
+    metric = ctx.results.metric("optimizer_hook.steps", "optimizer_hook",
+                                "tiny model steps/s, without and with the step hook", "steps/s",
+                                higher_is_better=True)
+    for row in result["rounds"]:
+        metric.add("bare", row["bare"])
+        metric.add("hooked", row["hooked"])
+    metric.notes.append(summary(result))
+    ctx.say(f"  {summary(result)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.optimizer_hook")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3000)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    ours, theirs = socket.socketpair()
-    threading.Thread(target=_drain, args=(theirs,), daemon=True).start()
-    runtime = Runtime(Channel(ours, os.getpgrp()))
-    steps_per_second(args.steps // 10)  # warm-up
-    ratios: list[float] = []
-    for r in range(args.rounds):
-        measured: dict[bool, float] = {}
-        for hooked in ((False, True) if r % 2 == 0 else (True, False)):
-            handle = count_optimizer_steps(runtime) if hooked else None
-            measured[hooked] = steps_per_second(args.steps)
-            if handle is not None:
-                handle.remove()
-        ratios.append(measured[True] / measured[False])
-        print(f"round {r + 1}: bare {measured[False]:.0f} steps/s, hooked {measured[True]:.0f} steps/s, "
-              f"ratio {ratios[-1]:.3f}")
-    print(f"hooked / bare: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
-          f"target >= 0.98; counted {runtime.step} steps")
-    ours.close()
+    result = measure(args.rounds, args.steps)
+    for r, row in enumerate(result["rounds"], 1):
+        print(f"round {r}: bare {row['bare']:.0f} steps/s, hooked {row['hooked']:.0f} steps/s, "
+              f"ratio {row['ratio']:.3f}")
+    print(summary(result))
 
 
 if __name__ == "__main__":

@@ -250,9 +250,11 @@ def test_failure_carries_traceback_and_phase(spawn: Any) -> None:
     assert isinstance(failure, Failure)
     assert (failure.error, failure.message, failure.phase) == ("RuntimeError", "injected failure", "training")
     assert "fail_at_step" in failure.traceback or "on_step" in failure.traceback
+    assert "bootstrap.py" not in failure.traceback  # it starts at the task's own frame ...
     assert [m.step for m in of(Progress, frames)] in ([1], [1, 2])
     assert worker.wait() == 1
-    assert "injected failure" in worker.log.read_text()
+    log = worker.log.read_text()
+    assert "injected failure" in log and "bootstrap.py" in log  # ... and the log keeps every frame
 
 
 def test_stop_checkpoints_and_the_next_attempt_resumes(spawn: Any, tmp_path: Path) -> None:

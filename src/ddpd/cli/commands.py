@@ -157,14 +157,19 @@ def _follow_to_end(client: Client, job_id: str) -> JobView:
 
 @cli.command()
 @click.argument("job_id", metavar="JOB")
+@click.option("--exit-code", "rank_exit_code", is_flag=True,
+              help="Exit with the exit code of the rank that failed first (1 when there is none).")
 @_output_option
 @_socket_option
-def wait(job_id: str, output: str, socket_path: Path | None) -> None:
+def wait(job_id: str, rank_exit_code: bool, output: str, socket_path: Path | None) -> None:
     """Block until JOB ends; exit 0 only if it succeeded."""
     view = _client(socket_path).wait(job_id)
     if output == "json":
         print_json(view)
     note(render.final_line(view), "green" if view.state == JobState.SUCCEEDED else "red")
+    cause = view.root_cause
+    if rank_exit_code and view.state != JobState.SUCCEEDED and cause is not None and cause.exit_code:
+        sys.exit(cause.exit_code)
     _exit_for(view)
 
 

@@ -8,6 +8,10 @@ that are written to the journal (checkpoints, failures), and at most MAX_FAILURE
 over a budget is failed with a protocol error naming it. The reader yields to the event loop every
 YIELD_EVERY frames, so a flooding rank cannot starve the daemon.
 
+A script that calls ``init_process_group`` again (destroy and re-init) sends its join phases
+again: a re-join (`is_rejoin`), recorded as an event ``rank.rejoined`` with its count, while the
+rank keeps its state.
+
 A Stacks frame answers an `AskStacks` the daemon sent (`RankHandle.asked`); an unasked or late
 one is dropped.
 
@@ -28,6 +32,7 @@ from ..protocol import FrameError, JobState, RankState, TransitionError
 from ..protocol.channel import Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result, Stacks
 from ..protocol.control import RootCause
 from ..protocol.limits import clip_text
+from ..protocol.states import is_rejoin
 from . import procs
 from .channel import WorkerChannel
 from .clock import Clock
@@ -90,6 +95,7 @@ class RankHandle:
     result: Result | None = None
     failure: Failure | None = None
     failures: int = 0
+    rejoins: int = 0  # init_process_group calls after the first (a script that destroys and re-inits)
     failed_at: float | None = None
     state_at_failure: str | None = None
     signals_before_exit: frozenset[str] = frozenset()
@@ -189,6 +195,12 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             if (asked := h.asked.get(request)) is not None and asked.reply is None:
                 asked.reply = stacks
                 asked.answered.set()
+        case PhaseChanged(phase=("store_connected" | "joined") as phase) if is_rejoin(rank.state,
+                                                                                      RankState(phase.upper())):
+            if phase == "joined":  # a script's init_process_group again: tracked, the rank keeps its state
+                h.rejoins += 1
+                rank.last_step_change = now  # the rendezvous took its time: the progress clock starts over
+                await journal.event(job, "rank.rejoined", rank=rank.rank, count=h.rejoins, state=rank.state.value)
         case PhaseChanged(phase="store_connected"):
             if h.pooled:
                 await ctx.check_pgid(h)

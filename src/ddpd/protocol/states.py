@@ -57,6 +57,10 @@ class RankState(enum.StrEnum):
     SPAWNED -> CONNECTED -> STORE_CONNECTED -> JOINED -> TRAINING -> EXITED;
     any state may go straight to EXITED (the process ended), and TRAINING
     repeats as the step counter advances.
+
+    A script may call ``init_process_group`` again (destroy and re-init, as some evaluation loops
+    do, or a retry after a failed first call): its second STORE_CONNECTED/JOINED is a re-join
+    (`is_rejoin`), recorded as such; the rank keeps its state, so a transition never goes back.
     """
 
     SPAWNED = "SPAWNED"
@@ -78,6 +82,12 @@ def check_job_transition(old: JobState, new: JobState) -> JobState:
     if new not in _JOB_TRANSITIONS[old]:
         raise TransitionError(f"illegal job transition {old} -> {new}")
     return new
+
+
+def is_rejoin(old: RankState, new: RankState) -> bool:
+    """A join phase (STORE_CONNECTED or JOINED) again, at or after it: a repeated init_process_group."""
+    return (new in (RankState.STORE_CONNECTED, RankState.JOINED) and old is not RankState.EXITED
+            and _RANK_ORDER.index(new) <= _RANK_ORDER.index(old))
 
 
 def check_rank_transition(old: RankState, new: RankState) -> RankState:

@@ -29,6 +29,7 @@ from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 from . import api
 from .runtime import Channel, Runtime
 from .stacks import current_stacks, dump_flight_recorder
+from .tracebacks import user_traceback
 
 PR_SET_PDEATHSIG = 1
 
@@ -173,10 +174,26 @@ def finish(runtime: Runtime, code: int) -> NoReturn:
 
 
 def fail(runtime: Runtime, exc: BaseException, code: int) -> NoReturn:
-    text = "".join(traceback.format_exception(exc))
-    print(text, file=sys.stderr, end="", flush=True)
-    runtime.send(Failure(error=type(exc).__name__, message=str(exc), traceback=text, phase=runtime.phase))
+    """The full traceback to the rank log; the Failure frame's starts at the user's first frame."""
+    print("".join(traceback.format_exception(exc)), file=sys.stderr, end="", flush=True)
+    runtime.send(Failure(error=type(exc).__name__, message=str(exc), traceback=user_traceback(exc),
+                         phase=runtime.phase))
     finish(runtime, code)
+
+
+def exit_status(runtime: Runtime, exc: SystemExit, script: bool) -> NoReturn:
+    """A non-zero SystemExit. In a script it is the exit status, as under python itself, with no
+    traceback: `sys.exit(3)` exits 3 and sends no Failure (the root cause is "exit 3");
+    `sys.exit("text")` prints the text and exits 1, its Failure carrying the text only.
+    In a task it is a failure like any other, with its traceback."""
+    code = (exc.code & 0xFF or 1) if isinstance(exc.code, int) else 1
+    if not isinstance(exc.code, int):
+        print(exc.code, file=sys.stderr, flush=True)
+        if script:
+            runtime.send(Failure(error="SystemExit", message=str(exc.code), traceback="", phase=runtime.phase))
+    if script:
+        finish(runtime, code)
+    fail(runtime, exc, code)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
@@ -217,10 +234,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if exc.code is None or exc.code == 0:
             result = Result(steps=runtime.step, loss=runtime.loss)
         else:
-            code = (exc.code & 0xFF or 1) if isinstance(exc.code, int) else 1
-            if not isinstance(exc.code, int):
-                print(exc.code, file=sys.stderr)
-            fail(runtime, exc, code)
+            exit_status(runtime, exc, assign.spec.script is not None)
     except BaseException as exc:
         fail(runtime, exc, 1)
     runtime.phase = "done"

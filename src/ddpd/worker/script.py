@@ -3,7 +3,9 @@
 The daemon has put torchrun's variables in the environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True, ...). The script runs as
 ``__main__`` with its own ``sys.argv``; ``init_process_group`` is wrapped so the daemon sees
-the rank join; a process group the script leaves behind is destroyed.
+the rank join; a process group the script leaves behind is destroyed. A script may call
+``init_process_group`` again after destroying its group (an evaluation loop): each re-join
+rendezvouses in the job's store under a prefix of its own (`rejoin_arguments`).
 
 Progress without code changes: every ``optimizer.step()`` of any optimizer is counted (torch's
 global optimizer step hook), so the step counter, steps per second, the progress timeout and
@@ -16,6 +18,7 @@ progress timeout does not apply to it (the heartbeat and wall-time limits still 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import runpy
 import sys
@@ -30,14 +33,38 @@ from ddpd.protocol.channel import Assign, PhaseChanged, Result
 from .runtime import Runtime
 
 
+def rejoin_arguments(real: Any, joins: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a re-join (`joins` > 1) through the environment: the same store, under a
+    prefix of this join's own.
+
+    torch names the default group alike on every init and keeps its keys in the job's store, so a
+    re-init would read the previous group's addresses (gloo then connects to a listener that is
+    gone). Every rank calls init_process_group as often as the others, so their counts agree.
+    A script that passes its own store or init method is left as it is."""
+    arguments = inspect.signature(real).bind_partial(*args, **kwargs).arguments
+    if arguments.get("store") is not None or arguments.get("init_method") not in (None, "env://"):
+        return arguments
+    extra = {"timeout": timeout} if (timeout := arguments.get("timeout")) is not None else {}
+    store, rank, world_size = next(dist.rendezvous("env://", arguments.get("rank", -1),
+                                                   arguments.get("world_size", -1), **extra))
+    arguments.pop("init_method", None)
+    arguments.update(store=dist.PrefixStore(f"ddpd-rejoin-{joins}", store), rank=rank, world_size=world_size)
+    return arguments
+
+
 def wrap_init_process_group(runtime: Runtime) -> None:
     """Report `store_connected` before and `joined` after the script's init_process_group."""
     real = c10d.init_process_group
+    joins = 0
 
     @functools.wraps(real)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        nonlocal joins
+        joins += 1
         runtime.phase = "store_connected"
         runtime.send(PhaseChanged(phase="store_connected"))
+        if joins > 1:
+            kwargs, args = rejoin_arguments(real, joins, args, kwargs), ()
         result = real(*args, **kwargs)
         runtime.phase = "joined"
         runtime.send(PhaseChanged(phase="joined"))
