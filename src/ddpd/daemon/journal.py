@@ -113,8 +113,11 @@ class Journal:
         row = rank_row(job.id, rank)
         await self._write("rank", lambda c: _upsert(c, "ranks", ("job_id", "attempt", "rank"), row), job.id)
 
-    async def job_state(self, job: Job, new: JobState, reason: str | None = None, **data: Any) -> None:
-        """Check and apply a transition in memory first, then record it; a final state sets job.finished."""
+    async def job_state(self, job: Job, new: JobState, reason: str | None = None, *, finish: bool = True,
+                        **data: Any) -> None:
+        """Check and apply a transition in memory first, then record it; a final state sets job.finished
+        (unless `finish` is False: the caller sets it once the job's last events are recorded, so that
+        a `wait` returns after them)."""
         old = job.state
         check_job_transition(old, new)
         job.state = new
@@ -130,7 +133,7 @@ class Journal:
             data.update({"from": old.value, "to": new.value, "reason": reason})
             await self.event(job, "job.state_changed", **data)
         finally:
-            if new.final:
+            if new.final and finish:
                 job.finished.set()
 
     async def rank_state(

@@ -146,7 +146,7 @@ class Scheduler:
             return
         job.cancel_requested = reason
         if job.state is JobState.QUEUED:
-            await self.journal.job_state(job, JobState.CANCELLED, reason)
+            await self.journal.job_state(job, JobState.CANCELLED, reason, finish=False)
             await self._ended(job)
             self._notify()
             return
@@ -231,7 +231,7 @@ class Scheduler:
             if new is JobState.QUEUED:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
                 return
-            await self.journal.job_state(job, new, outcome.reason, root_cause=_rc(outcome))
+            await self.journal.job_state(job, new, outcome.reason, finish=False, root_cause=_rc(outcome))
             if new is JobState.RESTARTING:
                 continue
             await self._ended(job)
@@ -243,24 +243,28 @@ class Scheduler:
             return
         job.root_cause = RootCause(reason="internal_error", attempt=job.attempt, detail=repr(exc))
         try:
-            await self.journal.job_state(job, JobState.FAILED, "internal_error")
+            await self.journal.job_state(job, JobState.FAILED, "internal_error", finish=False)
             await self._ended(job)
         except Exception:
             log.exception("job.internal_error_unrecorded", job_id=job.id)
             job.state, job.reason, job.finished_at = JobState.FAILED, "internal_error", self.clock()
+            job.finished.set()
             job.finished.set()
 
     async def _ended(self, job: Job) -> None:
         """A job reached its final state: the summary event, and its place in the retention heap."""
         duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
         rc = job.root_cause
-        self.table.ended(job)
-        self.retention.wake()
-        await self.journal.event(
-            job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
-            attempts=job.attempt, root_cause=None if rc is None else rc.detail,
-            root_cause_rank=None if rc is None else rc.rank,
-        )
+        try:
+            self.table.ended(job)
+            self.retention.wake()
+            await self.journal.event(
+                job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
+                attempts=job.attempt, root_cause=None if rc is None else rc.detail,
+                root_cause_rank=None if rc is None else rc.rank,
+            )
+        finally:
+            job.finished.set()  # after the summary event: a `wait` returns once every event of the job is out
 
     # -- history and retention ---------------------------------------------------------------
 
@@ -308,7 +312,7 @@ class Scheduler:
             if new is JobState.FAILED:
                 job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
                                            detail="the daemon stopped while the job was running")
-            await self.journal.job_state(job, new, "daemon_restart", killed=killed)
+            await self.journal.job_state(job, new, "daemon_restart", finish=False, killed=killed)
             if new.final:
                 await self._ended(job)
         self._notify()
