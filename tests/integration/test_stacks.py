@@ -46,6 +46,27 @@ async def wait_at_gate(d: DaemonProc, job_id: str, ranks: int) -> None:
     raise AssertionError(f"job {job_id} ended before {ranks} rank(s) reached the gate")
 
 
+def _thread_states(pid: int) -> set[str]:
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except OSError:
+            continue
+        states.add(stat.rsplit(")", 1)[1].split()[0])
+    return states
+
+
+async def all_threads_stopped(pid: int) -> None:
+    """Until every thread of `pid` shows state T in /proc (a signal is queued at once but acted on by
+    each thread when it next runs: on a loaded machine a thread may answer one more frame first)."""
+    with anyio.fail_after(30):
+        while True:  # /proc has no event to wait on: a bounded poll of the observable state
+            if await anyio.to_thread.run_sync(_thread_states, pid) == {"T"}:
+                return
+            await anyio.sleep(0.01)
+
+
 def _open_to_everyone(base: Path) -> Path:
     """A config with a socket anyone may open (the daemon still checks who owns the job)."""
     base.chmod(0o755)  # nobody must reach the socket inside
@@ -96,6 +117,7 @@ async def test_stacks_of_a_running_script_grouped_and_the_job_runs_on(short_tmp:
         stopped = view.ranks[1].pid
         assert stopped is not None
         os.kill(stopped, signal.SIGSTOP)
+        await all_threads_stopped(stopped)  # the handshake: the stop is in effect before the daemon asks
         try:
             with anyio.fail_after(STACKS_WAIT + PY_SPY_WAIT + 10):
                 silent = await d.client.stacks(job_id)
