@@ -143,8 +143,25 @@ async def start_daemon(
     )
     d = DaemonProc(socket=sock, state_dir=state, proc=proc, client=AsyncClient(sock))
     tg.start_soon(d._pump)
+    tg.start_soon(_stop_when_abandoned, d)
     await d.wait_log(lambda e: e.get("event") == "daemon.ready", DAEMON_START_TIMEOUT)
     return d
+
+
+async def _stop_when_abandoned(d: DaemonProc) -> None:
+    """Ends when the daemon exits. If the test's task group is cancelled first (a failed assertion, a
+    timeout), the daemon is stopped here: SIGTERM, then SIGKILL after a bounded wait, and reaped."""
+    try:
+        await d.proc.wait()
+    finally:
+        if d.proc.returncode is None:
+            with anyio.CancelScope(shield=True):
+                d.proc.send_signal(signal.SIGTERM)
+                with anyio.move_on_after(30):
+                    await d.proc.wait()
+                if d.proc.returncode is None:
+                    d.proc.kill()
+                    await d.proc.wait()
 
 
 async def stop_daemon(d: DaemonProc, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
