@@ -180,11 +180,12 @@ def short_tmp() -> Any:
 
 
 @asynccontextmanager
-async def running_daemon(base: Path, *flags: str, state_dir: Path | None = None) -> AsyncIterator[DaemonProc]:
+async def running_daemon(base: Path, *flags: str, state_dir: Path | None = None,
+                         env: dict[str, str] | None = None) -> AsyncIterator[DaemonProc]:
     """A real daemon for the block; afterwards it is stopped (exit 0) and every process of every job
     is proven gone."""
     async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, base, *flags, state_dir=state_dir)
+        d = await start_daemon(tg, base, *flags, state_dir=state_dir, env=env)
         try:
             yield d
         finally:

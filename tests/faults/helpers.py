@@ -109,3 +109,14 @@ class Pinger:
             self.count += 1
             with anyio.move_on_after(self.every):  # pacing, not ordering
                 await stop.wait()
+
+
+async def wait_while_pinging(d: DaemonProc, job_id: str, timeout: float = 60) -> tuple[JobView, Pinger]:
+    """Wait for the job's end while a Pinger proves the daemon keeps answering; the job and the pinger."""
+    pinger, done = Pinger(d), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pinger.run, done)
+        with anyio.fail_after(timeout):
+            job = await d.client.wait(job_id)
+        done.set()
+    return job, pinger

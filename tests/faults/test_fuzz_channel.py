@@ -16,7 +16,7 @@ from ddpd.protocol import MAX_FRAME, FrameError, JobState, encode
 from ddpd.protocol.channel import Heartbeat, Hello, PhaseChanged, Progress, WorkerMessage
 
 from ..conftest import DaemonProc, assert_nothing_left
-from .helpers import Pinger, report_line
+from .helpers import report_line, wait_while_pinging
 
 VALID: list[WorkerMessage] = [
     Hello(version=1, pid=1, python="3.11", torch=None),
@@ -98,12 +98,7 @@ async def test_a_rank_flooding_its_channel_is_failed_and_the_daemon_keeps_answer
                        options={"rank": 1, "at_step": 3, "step_sleep": 0.02}, timeouts={"kill_grace": 2.0})
     job_id = await daemon.client.submit(spec)
     await daemon.wait_event(job_id, lambda e: e.kind == "rank.progress")
-    pinger, done = Pinger(daemon), anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pinger.run, done)
-        with anyio.fail_after(60):
-            job = await daemon.client.wait(job_id)
-        done.set()
+    job, pinger = await wait_while_pinging(daemon, job_id)
     report_line(f"Heartbeat flood: worst ping {pinger.worst * 1000:.1f} ms over {pinger.count} pings")
     assert job.state == JobState.FAILED, job.root_cause
     rc = job.root_cause

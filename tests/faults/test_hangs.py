@@ -13,7 +13,7 @@ import pytest
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left
-from .helpers import Pinger, events_of, now, report_fault, report_line
+from .helpers import events_of, now, report_fault, report_line, wait_while_pinging
 
 pytestmark = pytest.mark.anyio
 
@@ -111,12 +111,7 @@ async def test_rank_log_replaced_by_a_fifo_does_not_freeze_the_daemon(daemon: Da
                        timeouts={"progress": 4.0, "kill_grace": 2.0})
     job_id = await daemon.client.submit(spec)
     await daemon.wait_event(job_id, lambda e: e.kind == "rank.progress")
-    pinger, done = Pinger(daemon), anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pinger.run, done)
-        with anyio.fail_after(60):
-            job = await daemon.client.wait(job_id)
-        done.set()
+    job, pinger = await wait_while_pinging(daemon, job_id)
     report_line(f"FIFO rank log: worst ping {pinger.worst * 1000:.1f} ms over {pinger.count} pings")
     assert pinger.count > 0
     assert job.state == JobState.TIMED_OUT, job.root_cause

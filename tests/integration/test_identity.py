@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,11 +22,12 @@ from typing import Any
 import anyio
 import pytest
 
-from ddpd.client import AsyncClient, JobSpec, JobView, RemoteError
+from ddpd.client import AsyncClient, JobSpec, RemoteError
 from ddpd.daemon.identity import Identity
 
-from ..conftest import REPO, DaemonProc, assert_gone, assert_nothing_left, start_daemon, stop_daemon
+from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
 from ..scripts.userpython import USER_PYTHON, user_env, why_unusable
+from .users import public_dir, two_users
 
 pytestmark = [
     pytest.mark.anyio,
@@ -41,40 +39,19 @@ SHOW = str(REPO / "tests" / "scripts" / "show_identity.py")
 TIMEOUT = 180
 
 
-def _useradd(name: str) -> Identity:
-    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", f"/home/{name}", "--shell", "/bin/sh",
-                    name], check=True, capture_output=True)
-    return Identity.of(int(subprocess.run(["id", "-u", name], check=True, capture_output=True).stdout))
-
-
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[Identity, Identity]]:
-    if shutil.which("useradd") is None or shutil.which("userdel") is None:
-        pytest.skip("useradd/userdel are not available to create test users")
     if (why := why_unusable()) is not None:
         pytest.skip(why)
-    tag = uuid.uuid4().hex[:6]
-    made: list[str] = []
-    try:
-        ids = []
-        for name in (f"ddpdwa{tag}", f"ddpdwb{tag}"):
-            ids.append(_useradd(name))
-            made.append(name)
-        yield ids[0], ids[1]
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+    with two_users("ddpdw") as pair:
+        yield pair
 
 
 @pytest.fixture
 def public_tmp() -> Iterator[Path]:
     """A short directory every user can traverse (the socket and the wrapper live there)."""
-    path = Path(tempfile.mkdtemp(prefix="ddpd-w", dir="/tmp"))
-    path.chmod(0o755)
-    try:
+    with public_dir("ddpd-w", 0o755) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @asynccontextmanager
@@ -82,19 +59,9 @@ async def shared_daemon(base: Path, *flags: str) -> AsyncIterator[DaemonProc]:
     """A root daemon whose socket everyone may use, with a variable of its own in its environment."""
     config = base / "ddpd.toml"
     config.write_text('socket_mode = "0666"\n')
-    async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, base, "--config", str(config), "--gpus", "0", *flags,
-                               env={"DAEMON_SETTING": "daemon"})
-        try:
-            yield d
-        finally:
-            jobs: list[JobView] = []
-            if d.proc.returncode is None:
-                with anyio.fail_after(30):
-                    jobs = await d.client.list_jobs()
-            assert await stop_daemon(d) == 0
-            assert_nothing_left(jobs)
-            tg.cancel_scope.cancel()
+    async with running_daemon(base, "--config", str(config), "--gpus", "0", *flags,
+                              env={"DAEMON_SETTING": "daemon"}) as d:
+        yield d
 
 
 def wrapper(base: Path) -> str:

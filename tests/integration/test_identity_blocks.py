@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +26,8 @@ from ddpd.daemon.identity import Identity, check_interpreter, popen_kwargs
 from ddpd.daemon.usertree import create_user_file, ensure_base, job_dir
 from tests.conftest import assert_gone
 
+from .users import public_dir, two_users
+
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="acting as other users needs root"),
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
@@ -37,41 +38,17 @@ SYSTEM_PYTHON = "/usr/bin/python3.11"
 VENV_PYTHON = sys.executable  # the suite's own interpreter (a venv under /root, mode 0700, on CI)
 
 
-def _useradd(name: str) -> Identity:
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--home-dir", f"/home/{name}", "--shell", "/bin/sh", name],
-        check=True, capture_output=True,
-    )
-    return Identity.of(int(subprocess.run(["id", "-u", name], check=True, capture_output=True).stdout))
-
-
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[Identity, Identity]]:
-    if shutil.which("useradd") is None or shutil.which("userdel") is None:
-        pytest.skip("useradd/userdel are not available to create test users")
-    tag = uuid.uuid4().hex[:6]
-    names = [f"ddpdta{tag}", f"ddpdtb{tag}"]
-    made: list[str] = []
-    try:
-        ids = []
-        for name in names:
-            ids.append(_useradd(name))
-            made.append(name)
-        yield ids[0], ids[1]
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+    with two_users("ddpdt") as pair:
+        yield pair
 
 
 @pytest.fixture
 def public_tmp() -> Iterator[Path]:
     """A directory every user can traverse (pytest's tmp_path is root's 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="ddpd-id-", dir="/tmp"))
-    path.chmod(0o711)
-    try:
+    with public_dir("ddpd-id-", 0o711) as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
