@@ -20,6 +20,8 @@ from ddpd.protocol import (
 )
 from ddpd.protocol.control import (
     CancelResult,
+    CurvePoint,
+    CurveResult,
     DaemonInfo,
     EventView,
     JobPage,
@@ -49,6 +51,8 @@ __all__ = [
     "Client",
     "Connection",
     "ConnectionLost",
+    "CurvePoint",
+    "CurveResult",
     "DaemonInfo",
     "DaemonUnavailable",
     "ErrorCode",

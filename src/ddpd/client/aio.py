@@ -24,6 +24,8 @@ from ddpd.protocol import MAX_FRAME, PROTOCOL_VERSION, JobSpec
 from ddpd.protocol.control import (
     Cancel,
     CancelResult,
+    CurveReq,
+    CurveResult,
     DaemonInfo,
     DaemonInfoReq,
     Events,
@@ -298,6 +300,10 @@ class AsyncClient:
         stacks grouped; the job runs on. `native`: native frames too, where the daemon has py-spy."""
         return convert(await self._call(lambda i: StacksReq(id=i, job_id=job_id, rank=rank, native=native)),
                        StacksResult)
+
+    async def curve(self, job_id: str) -> CurveResult:
+        """The job's training curve (step, loss, steps per second), downsampled by the daemon."""
+        return convert(await self._call(lambda i: CurveReq(id=i, job_id=job_id)), CurveResult)
 
     async def ping(self) -> float:
         """Round-trip time of one ping on an open connection, in seconds."""

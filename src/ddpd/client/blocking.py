@@ -19,6 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import (
     CancelResult,
+    CurveResult,
     DaemonInfo,
     EventView,
     JobPage,
@@ -234,6 +235,9 @@ class Client:
 
     def stacks(self, job_id: str, rank: int | None = None, native: bool = False) -> StacksResult:
         return _once(lambda: self.aio.stacks(job_id, rank, native))
+
+    def curve(self, job_id: str) -> CurveResult:
+        return _once(lambda: self.aio.curve(job_id))
 
     def ping(self) -> float:
         return _once(self.aio.ping)

@@ -23,6 +23,7 @@ from ..protocol.control import DaemonInfo
 from .bus import EventBus
 from .cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
 from .config import Config, ConfigError, load_config, parse_listen
+from .curves import CurveStore
 from .gpus import discover_async
 from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
@@ -161,6 +162,8 @@ class Daemon:
         gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
         bus = EventBus()
         journal = Journal(db, bus)
+        curves = CurveStore(journal)
+        bus.listen(curves.observe)
         resources = Resources(gpus, cfg.cpu_slots)
         pool = WarmPool(cfg, resources.busy_cpu)  # warm workers (pool_size 0: none, every rank starts cold)
         self.pool = pool if pool.size else None
@@ -174,10 +177,11 @@ class Daemon:
                 host, port = parse_listen(cfg.metrics_listen)
                 metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
             listener = await self._listen()
-            server = ControlServer(scheduler, self.info, self.reload)
+            server = ControlServer(scheduler, self.info, self.reload, curves)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
                 tg.start_soon(self._follow_status, bus)
+                tg.start_soon(curves.run)
                 await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
                 tg.start_soon(listener.serve, server.handle)

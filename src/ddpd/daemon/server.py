@@ -37,6 +37,7 @@ from ..protocol.control import (
     LIST_LIMIT,
     Cancel,
     CancelResult,
+    CurveReq,
     DaemonInfo,
     DaemonInfoReq,
     End,
@@ -64,6 +65,7 @@ from ..protocol.limits import clip_text
 from ..protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_dir
 from ..protocol.spec import reserved_env
 from .config import ConfigError
+from .curves import CurveStore, curve_result
 from .errors import DaemonError
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
@@ -79,7 +81,7 @@ log = structlog.get_logger("ddpd")
 _envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
 _request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
 _OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload",
-        "stacks"}
+        "stacks", "curve"}
 REFUSAL_LOG_INTERVAL = 10.0
 MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 
@@ -142,8 +144,9 @@ def secure_socket(path: Path, mode: int, group: str | None) -> None:
 
 class ControlServer:
     def __init__(self, scheduler: Scheduler, info: Callable[[], DaemonInfo],
-                 reload: Callable[[], Awaitable[None]]) -> None:
+                 reload: Callable[[], Awaitable[None]], curves: CurveStore | None = None) -> None:
         self.scheduler = scheduler
+        self.curves = curves
         self.info = info
         self.reload = reload
         self.interpreters = InterpreterChecks()
@@ -347,6 +350,10 @@ class ControlServer:
                 if rank is not None and not 0 <= rank < job.spec.nproc:
                     raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
                 yield Ok(id=rid, result=await attempt.stacks(rank, native))
+            case CurveReq(job_id=job_id):
+                job = await self._detailed(job_id, uid, "curve")
+                curve = None if self.curves is None else await self.curves.curve(job.id)
+                yield Ok(id=rid, result=curve_result(job, curve))
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():

@@ -93,6 +93,13 @@ class Ping(_Req, tag="ping"):
     pass
 
 
+class CurveReq(_Req, tag="curve"):
+    """A job's training curve (step, loss, steps per second), as the daemon keeps it: downsampled,
+    at most a few hundred points over the whole run (see CurveResult)."""
+
+    job_id: JobId
+
+
 class DaemonInfoReq(_Req, tag="daemon"):
     pass
 
@@ -102,7 +109,7 @@ class Reload(_Req, tag="reload"):
 
 
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload | StacksReq)
+           | Reload | StacksReq | CurveReq)
 
 
 class RequestEnvelope(msgspec.Struct):
@@ -249,6 +256,30 @@ class DaemonInfo(msgspec.Struct):
     free_cpu_slots: int | None = None
     free_gpus: int | None = None
     pool_ready: int | None = None
+
+
+class CurvePoint(msgspec.Struct, array_like=True):
+    """One point of a curve: the wall time and step of its last sample, the mean loss of the samples it
+    merged (None: no finite loss among them) and the steps per second over the time it covers."""
+
+    time: float
+    step: int
+    loss: float | None = None
+    steps_per_second: float | None = None
+
+
+class CurveResult(msgspec.Struct, omit_defaults=True):
+    """A job's curve, oldest point first. `steps`: the job's target step count (task mode; None for a
+    script); `stride`: samples merged per point; `backwards`: samples kept out because their step went
+    back; `nonfinite`: NaN or infinite losses kept out."""
+
+    job_id: str
+    state: str
+    points: list[CurvePoint]
+    steps: int | None = None
+    stride: int = 1
+    backwards: int = 0
+    nonfinite: int = 0
 
 
 class StackGroup(msgspec.Struct, omit_defaults=True):
