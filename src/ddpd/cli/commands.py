@@ -17,7 +17,7 @@ import click
 
 from ddpd.client import AsyncClient, Client, DaemonUnavailable, ErrorCode, JobState, JobView, RemoteError, SpecError
 
-from . import render
+from . import curves, render
 from .output import LogWriter, error, note, print_json, stdout
 from .specs import spec_from_options, spec_options
 from .stacks import show_stacks
@@ -322,6 +322,48 @@ def watch(job_id: str | None, output: str, socket_path: Path | None) -> None:
         if output != "json":
             _report_final(view)
         _exit_for(view)
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--png", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Write the plot to FILE as a PNG (needs matplotlib: the extra 'plot').")
+@click.option("--size", default="800x480", show_default=True, metavar="WxH", help="Size of the PNG in pixels.")
+@_socket_option
+def plot(job_id: str, png: Path | None, size: str, socket_path: Path | None) -> None:
+    """Draw JOB's loss curve against the step: in the terminal, or (--png) as a picture."""
+    try:
+        pixels = curves.parse_size(size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--size") from None
+    curve = _client(socket_path).curve(job_id)
+    if not curves.losses(curve):
+        error(f"job {job_id} has no loss recorded ({curve.state})")
+        sys.exit(EXIT_FAILED)
+    if png is None:
+        sys.stdout.write(curves.terminal_plot(curve, color=sys.stdout.isatty()) + "\n")
+        return
+    try:
+        curves.write_png(curve, png, pixels)
+    except curves.PlotUnavailable as exc:
+        error(str(exc))
+        sys.exit(EXIT_FAILED)
+    note(f"wrote {png}")
+
+
+@cli.command("metrics")
+@click.argument("job_id", metavar="JOB")
+@click.option("-o", "--output", type=click.Choice(["csv", "json"]), default="csv", show_default=True,
+              help="csv: a header and one row per point; json: the curve and its points as one object.")
+@_socket_option
+def metrics(job_id: str, output: str, socket_path: Path | None) -> None:
+    """Export JOB's training curve: time, step, loss and steps per second, oldest first."""
+    curve = _client(socket_path).curve(job_id)
+    if output == "json":
+        print_json({"job_id": curve.job_id, "state": curve.state, "steps": curve.steps, "stride": curve.stride,
+                    "backwards": curve.backwards, "nonfinite": curve.nonfinite, "points": curves.to_rows(curve)})
+    else:
+        sys.stdout.write(curves.to_csv(curve))
 
 
 def main() -> None:
