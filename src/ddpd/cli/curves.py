@@ -95,20 +95,21 @@ def to_csv(curve: CurveResult) -> str:
 
 def terminal_plot(curve: CurveResult, width: int | None = None, height: int | None = None,
                   color: bool = True) -> str:
-    """The loss against the step, drawn with plotext for a terminal of the given size."""
-    import plotext as plt
+    """The loss against the step, drawn with plotext (braille dots joined by lines) for a terminal."""
+    import plotext
 
     points = losses(curve)
-    plt.clear_figure()
-    if not color:
-        plt.theme("clear")
     cols, rows = _terminal_size()
-    plt.plotsize(width or cols, height or min(rows, 25))
-    plt.plot([s for s, _ in points], [v for _, v in points], marker="braille", label="loss")
-    plt.title(f"{curve.job_id} loss ({curve.state})")
-    plt.xlabel("step")
-    text: str = plt.build()
-    plt.clear_figure()
+    fig = plotext.figure
+    fig.clear()
+    fig.plot_size(width or cols, height or min(rows, 25))
+    signal = fig.signal([s for s, _ in points], [v for _, v in points], marker="braille")
+    signal.lines()
+    fig.draw(signal)
+    fig.title(f"{curve.job_id} loss ({curve.state})")
+    fig.label("step", axis="x")
+    text: str = fig.build().string(colorless=not color)
+    fig.clear()
     return text
 
 
