@@ -173,7 +173,7 @@ class Daemon:
             await scheduler.recover()
             metrics = metrics_listener = None
             if cfg.metrics_listen is not None:
-                metrics = Metrics(scheduler, self.started, __version__)
+                metrics = Metrics(scheduler, self.started, __version__, curves)
                 host, port = parse_listen(cfg.metrics_listen)
                 metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
             listener = await self._listen()
