@@ -85,15 +85,18 @@ def test_steps_per_second_survive_merging() -> None:
     assert rates[0] == pytest.approx(2.0) and rates[-1] == pytest.approx(4.0)
 
 
-def test_feed_samples_the_leading_rank_with_the_mean_of_fresh_losses() -> None:
+def test_feed_samples_the_leading_rank_with_the_mean_of_every_ranks_last_loss() -> None:
     feed = JobFeed()
     assert feed.report(1.0, 1, 0, step=1, loss=1.0)  # rank 0 alone so far
     assert not feed.report(1.1, 1, 1, step=1, loss=3.0)
-    assert not feed.report(1.2, 1, 2, step=2, loss=math.nan)
-    assert feed.report(2.0, 1, 0, step=3, loss=2.0)
-    assert [(b.step, b.loss) for b in feed.curve.buckets] == [(1, 1.0), (3, pytest.approx(2.5))]
+    assert feed.report(2.0, 1, 0, step=3, loss=2.0)  # rank 1's last loss counts again: the same ranks each time
+    assert feed.report(3.0, 1, 0, step=5, loss=1.0)
+    assert not feed.report(3.2, 1, 1, step=5, loss=math.nan)  # kept out, and rank 1 with it
+    assert feed.report(4.0, 1, 0, step=7, loss=0.5)
+    assert [(b.step, b.loss) for b in feed.curve.buckets] == [(1, 1.0), (3, 2.5), (5, 2.0), (7, 0.5)]
     assert feed.curve.state.nonfinite == 1
-    assert feed.report(3.0, 2, 1, step=4, loss=5.0)  # a new attempt where rank 1 reports first leads it
+    assert feed.report(5.0, 2, 1, step=8, loss=5.0)  # a new attempt where rank 1 reports first: it leads
+    assert feed.curve.buckets[-1].loss == 5.0
 
 
 def test_extend_appends_a_later_curve() -> None:

@@ -15,8 +15,7 @@ the curve again once it passes the last step recorded), a loss that is NaN or in
 is kept, the loss counted in `nonfinite`).
 
 `JobFeed` turns the progress reports of a job's ranks into samples: a sample per report of the
-lowest rank that reports (normally rank 0), its loss the mean of the finite losses every rank
-reported since the previous sample.
+lowest rank that reports (normally rank 0), its loss the mean of every rank's last finite loss.
 """
 
 from __future__ import annotations
@@ -143,27 +142,31 @@ class Curve:
 
 
 class JobFeed:
-    """One job's curve and the ranks' reports since its last sample."""
+    """One job's curve, and each rank's last finite loss in the current attempt."""
 
     def __init__(self, curve: Curve | None = None) -> None:
         self.curve = curve if curve is not None else Curve()
         self.attempt: int | None = None
         self.leader: int | None = None  # the lowest rank that reported in this attempt
-        self.fresh: dict[int, float] = {}  # rank -> its last finite loss since the previous sample
+        self.losses: dict[int, float] = {}  # rank -> its last finite loss (bounded by the job's ranks)
 
     def report(self, t: float, attempt: int, rank: int, step: int, loss: float | None) -> bool:
-        """A rank's progress report; True when it made a sample (the leading rank's reports do)."""
+        """A rank's progress report; True when it made a sample (the leading rank's reports do).
+
+        The sample's loss is the mean of every rank's last finite loss (each at most one report
+        interval old), so the same ranks count in every sample; a rank whose last loss was not
+        finite counts in none until it reports a finite one again."""
         if attempt != self.attempt:
-            self.attempt, self.leader, self.fresh = attempt, None, {}
+            self.attempt, self.leader, self.losses = attempt, None, {}
         if loss is not None and _finite(loss) is None:
             self.curve.state.nonfinite += 1
+            self.losses.pop(rank, None)
         elif loss is not None:
-            self.fresh[rank] = loss
+            self.losses[rank] = loss
         if self.leader is None or rank < self.leader:
             self.leader = rank
         if rank != self.leader:
             return False
-        losses = list(self.fresh.values())
-        self.fresh = {}
-        mean = math.fsum(v / len(losses) for v in losses) if losses else None
+        values = list(self.losses.values())
+        mean = math.fsum(v / len(values) for v in values) if values else None
         return self.curve.add(t, step, mean, attempt)
