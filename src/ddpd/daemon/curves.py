@@ -95,11 +95,12 @@ class CurveStore:
 
     async def curve(self, job_id: str) -> Curve | None:
         """A job's curve: the one in memory (with what an earlier daemon stored before it), else the stored one."""
-        async with self._lock:
-            entry = self.entries.get(job_id)
-            if entry is not None:
-                await self._load(job_id, entry)
-                return entry.feed.curve
+        entry = self.entries.get(job_id)
+        if entry is not None:
+            if not entry.loaded:  # once only: a job that is watched is not held up by every flush
+                async with self._lock:
+                    await self._load(job_id, entry)
+            return entry.feed.curve
         state = decode_state(await self.journal.load_curve(job_id), job_id)
         return None if state is None else Curve(state)
 

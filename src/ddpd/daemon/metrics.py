@@ -107,7 +107,8 @@ class Metrics:
 
     async def render(self) -> bytes:
         """One scrape: the resource sample off the loop (bounded), then the exposition."""
-        usage, targets = Usage(), self.targets()
+        targets = self.targets()
+        usage = Usage(skipped=len(targets))  # what the scrape shows if the sample does not come in time
         with anyio.move_on_after(SAMPLE_TIMEOUT):
             usage = await anyio.to_thread.run_sync(lambda: sample(targets, gpus=self.gpus),
                                                    limiter=self._limiter, abandon_on_cancel=True)
