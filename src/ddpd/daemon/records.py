@@ -90,7 +90,8 @@ class Job:
             root_cause=self.root_cause,
             ranks=[r.view(now) for r in self.ranks],
             store_port=self.store_port,
-            waiting_on=self.waiting_on if self.state is JobState.QUEUED and self.spec.after else None,
+            waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
+            if self.state is JobState.QUEUED and self.spec.after else None,
         )
 
 

@@ -208,7 +208,7 @@ class Scheduler:
                 job.waiting_on = []
                 return True
             case Broken(reason=reason):
-                job.root_cause = RootCause(reason="dependency", detail=reason)
+                job.root_cause = RootCause(reason=reason)
                 await self.journal.job_state(job, JobState.FAILED, reason, finish=False, root_cause=reason)
                 await self._ended(job)
                 self._notify()  # the jobs that wait for this one fail in turn
