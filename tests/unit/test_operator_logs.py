@@ -63,7 +63,7 @@ async def test_a_terminal_gets_one_line_per_state_change(journal: Journal) -> No
     await a_job_runs(journal)
     lines = out.getvalue().splitlines()
     assert [line.split(" ", 1)[1] for line in lines] == [
-        "j12-ab3c QUEUED (two-layer, 1 ranks, uid 1000)",
+        "j12-ab3c QUEUED (two-layer, 1 rank, uid 1000)",
         "j12-ab3c QUEUED -> STARTING (attempt 1)",
         "j12-ab3c STARTING -> RUNNING (all ranks joined)",
         "WARNING rank.slow j12-ab3c rank 0 detail=line one\\nline two",

@@ -19,7 +19,8 @@ _LEVEL_ORDER = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical":
 _DAEMON_EVENTS = frozenset({"daemon.ready", "daemon.stopping", "daemon.stopped", "daemon.reloaded",
                             "daemon.reload_failed"})
 _HIDDEN = frozenset({"event", "level", "timestamp", "job_id", "attempt", "rank", "logger"})
-VALUE_LIMIT = 200  # characters of one field's value in a line (the JSON log keeps them whole)
+VALUE_LIMIT = 120  # characters of one field's value in a line (the JSON log keeps them whole)
+_LEFT_OUT = frozenset({"exception", "exc_info", "traceback"})  # too long for a line: `ddpctl status` has it
 
 
 def kept_for_terminal(event: Mapping[str, Any]) -> bool:
@@ -64,8 +65,10 @@ def message(event: Mapping[str, Any]) -> str:
         return text
     if name == "job.submitted":
         what = data.get("task") or " ".join(map(str, data.get("script") or [])) or "job"
-        return f"{who} QUEUED ({_value(what)}, {data.get('nproc', '?')} ranks, uid {data.get('owner_uid', '?')})"
-    fields = " ".join(f"{k}={_value(v)}" for k, v in data.items() if k not in ("exception", "exc_info"))
+        nproc = data.get("nproc", "?")
+        ranks = f"{nproc} rank" + ("" if nproc == 1 else "s")
+        return f"{who} QUEUED ({_value(what)}, {ranks}, uid {data.get('owner_uid', '?')})"
+    fields = " ".join(f"{k}={_value(v)}" for k, v in data.items() if k not in _LEFT_OUT)
     text = " ".join(p for p in (name, who, fields) if p)
     exception = event.get("exception")
     if isinstance(exception, str) and exception:
