@@ -65,7 +65,7 @@ async def test_ids_resolve_whole_by_number_or_by_unique_prefix(table: JobTable) 
         await resolve(table, "j")
     assert info.value.code == ErrorCode.AMBIGUOUS
     assert info.value.candidates == ["j1-ab01", "j2-ab02", "j10-ab10", "j11-ab11"]
-    for text in ("j3", "j12-", "x", "j1-ab01x"):
+    for text in ("j3", "j12-", "x", "j1-ab01x", "j1%", "j\udc80", "j1\x00", "j1-ab01\n"):
         with pytest.raises(UnknownJobError):
             await resolve(table, text)
     await table.journal.delete_job("j1-ab01")

@@ -18,6 +18,7 @@ from .table import JobTable
 
 MAX_CANDIDATES = 10  # ids listed in an ambiguous-prefix error
 _NUMBER = re.compile(r"^j(\d{1,19})$")
+_ID_TEXT = re.compile(r"^[A-Za-z0-9_.-]+$")  # what an id can hold: anything else names no job
 
 
 class UnknownJobError(DaemonError):
@@ -35,10 +36,12 @@ class AmbiguousJobError(DaemonError):
 
 async def resolve(table: JobTable, text: str) -> Job:
     """The job `text` names; UnknownJobError or AmbiguousJobError (codes not_found, ambiguous)."""
+    if not _ID_TEXT.fullmatch(text):
+        raise UnknownJobError(f"no job {text!r}")
     job = await table.lookup(text)
     if job is not None:
         return job
-    number = _NUMBER.match(text)
+    number = _NUMBER.fullmatch(text)
     if number is not None:
         ids = await table.journal.ids_with_prefix(f"j{int(number.group(1))}-", 2)
         if len(ids) == 1 and (job := await table.lookup(ids[0])) is not None:
