@@ -203,6 +203,8 @@ class Scheduler:
         except Exception:  # the journal cannot be read now: the job waits, the queue goes on
             log.exception("job.dependencies_unreadable", job_id=job.id)
             return False
+        if job.state is not JobState.QUEUED:  # cancelled while they were read
+            return False
         match verdict(states):
             case Ready():
                 job.waiting_on = []
