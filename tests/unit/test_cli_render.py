@@ -42,3 +42,18 @@ def test_submit_options_build_the_spec(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(SpecError) as caught:
         spec_from_options({"nproc": 0}, ())
     assert caught.value.field == "nproc"
+
+
+def test_a_waiting_job_says_on_what_and_after_takes_lists() -> None:
+    from rich.console import Console
+
+    from ddpd.cli.render import job_detail
+
+    waiting = JobView(id="j5-aaaa", name="", state="QUEUED", owner_uid=0, submitted_at=0.0,
+                      spec=JobSpec(after=["j3-bbbb", "j4-cccc"]), waiting_on=["j4-cccc"])
+    console = Console(width=120, record=True)
+    console.print(job_detail(waiting, 1.0))
+    text = console.export_text()
+    assert "after       j3-bbbb, j4-cccc" in text and "waiting on  j4-cccc" in text
+    spec = spec_from_options({"after": ("j3,j4", " j5 ")}, ())
+    assert spec.after == ["j3", "j4", "j5"]

@@ -18,6 +18,8 @@ import click
 from ddpd.client import AsyncClient, Client, DaemonUnavailable, ErrorCode, JobState, JobView, RemoteError, SpecError
 
 from . import curves, render
+from .completion import SHELLS, complete_job_ids, completion_script
+from .jobfile import job_defaults, read_job_file
 from .output import LogWriter, error, note, print_json, stdout
 from .specs import spec_from_options, spec_options
 from .stacks import show_stacks
@@ -117,11 +119,26 @@ def cli(socket_path: Path | None) -> None:
     """Submit, watch and control PyTorch DDP jobs run by the ddpd daemon."""
 
 
+_JOB_SCRIPT = "ddpd.job_file_script"
+
+
+def _load_job_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """Eager: the job file's keys become the defaults of the other options (flags win over them)."""
+    if value is not None:
+        defaults, script = job_defaults(ctx.command, value, read_job_file(value))
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
+        ctx.meta[_JOB_SCRIPT] = tuple(script)
+    return value
+
+
 @cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("-f", "--file", "job_file", type=click.Path(path_type=Path, dir_okay=True), is_eager=True,
+              expose_value=False, callback=_load_job_file, metavar="JOB.toml",
+              help="A job file: TOML whose keys are these options (flags given here win) and `script`.")
 @spec_options
 @click.option("--idempotency-key", default=None, metavar="KEY",
               help="Submit at most once under KEY: a retry with the same KEY prints the job it created.")
-@click.option("-f", "--follow", is_flag=True, help="Stream the logs until the job ends; exit 0 only on success.")
+@click.option("--follow", is_flag=True, help="Stream the logs until the job ends; exit 0 only on success.")
 @_socket_option
 @click.argument("script", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT ARGS...]")
 def submit(idempotency_key: str | None, follow: bool, socket_path: Path | None, script: tuple[str, ...],
@@ -129,8 +146,10 @@ def submit(idempotency_key: str | None, follow: bool, socket_path: Path | None, 
     """Submit a job and print its id.
 
     Without a script, every rank runs a task's training loop. After `--`, every rank runs an
-    unmodified torchrun script (or, with -m, a module) with its arguments.
+    unmodified torchrun script (or, with -m, a module) with its arguments. With -f, the job
+    file gives the options and the script; what the command line gives wins.
     """
+    script = script or click.get_current_context().meta.get(_JOB_SCRIPT, ())
     spec = spec_from_options(options, script)
     client = _client(socket_path)
     result = client.submit_result(spec, idempotency_key=idempotency_key)
@@ -153,6 +172,30 @@ def _follow_to_end(client: Client, job_id: str) -> JobView:
     view = client.wait(job_id)
     _report_final(view)
     return view
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--idempotency-key", default=None, metavar="KEY",
+              help="Submit at most once under KEY: a retry with the same KEY prints the job it created.")
+@_socket_option
+def resubmit(job_id: str, idempotency_key: str | None, socket_path: Path | None) -> None:
+    """Submit JOB's spec again (its environment and interpreter as then) and print the new job's id."""
+    result = _client(socket_path).resubmit(job_id, idempotency_key=idempotency_key)
+    click.echo(result.job_id)
+    if result.existing:
+        note(f"job {result.job_id} was already submitted with this idempotency key")
+
+
+@cli.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+def completion(shell: str) -> None:
+    """Print the shell completion script for SHELL (job ids complete from the daemon).
+
+    bash: eval "$(ddpctl completion bash)" in ~/.bashrc; zsh: the same in ~/.zshrc;
+    fish: ddpctl completion fish > ~/.config/fish/completions/ddpctl.fish
+    """
+    click.echo(completion_script(cli, shell))
 
 
 @cli.command()
@@ -364,6 +407,9 @@ def metrics(job_id: str, output: str, socket_path: Path | None) -> None:
                     "backwards": curve.backwards, "nonfinite": curve.nonfinite, "points": curves.to_rows(curve)})
     else:
         sys.stdout.write(curves.to_csv(curve))
+
+
+complete_job_ids(cli)
 
 
 def main() -> None:

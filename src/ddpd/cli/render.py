@@ -135,6 +135,10 @@ def _job_header(view: JobView, now: float) -> Table:
         grid.add_row("duration", Text(_duration(end - view.started_at)))
     else:
         grid.add_row("queued for", Text(_duration(now - view.submitted_at)))
+    if view.spec.after:
+        grid.add_row("after", Text(", ".join(view.spec.after)))
+    if view.waiting_on:
+        grid.add_row("waiting on", Text(", ".join(view.waiting_on)))
     if view.reason:
         grid.add_row("reason", Text(view.reason))
     if view.root_cause is not None:

@@ -117,6 +117,13 @@ _OPTIONS: list[Callable[[F], F]] = [
         "--option", "options", multiple=True, metavar="K=V", help="Task option; numbers and true/false are typed."
     ),
     click.option(
+        "--after",
+        "after",
+        multiple=True,
+        metavar="JOB[,JOB...]",
+        help="Start only once these jobs (ids or unique prefixes) have succeeded; fail if one does not.",
+    ),
+    click.option(
         "-m",
         "--module",
         "module",
@@ -150,6 +157,9 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     fields["export"], fields["environ"] = exported(str(values.get("export") or "ALL"), os.environ)
     if values.get("options"):
         fields["options"] = {key: typed_value(value) for key, value in pairs("--option", values["options"])}
+    after = [job.strip() for item in values.get("after") or () for job in item.split(",") if job.strip()]
+    if after:
+        fields["after"] = after
     module = bool(values.get("module"))
     if script and script[0] == "-m":  # `submit -- -m pkg.mod ARGS`, as after python or torchrun
         module, script = True, script[1:]

@@ -42,6 +42,7 @@ from ddpd.protocol.control import (
     Remove,
     Reply,
     Request,
+    Resubmit,
     StacksReq,
     StacksResult,
     Status,
@@ -243,6 +244,19 @@ class AsyncClient:
 
         def make(i: int) -> Request:
             return Submit(id=i, spec=spec, idempotency_key=key)
+
+        try:
+            result = await self._call(make)
+        except ConnectionLost:
+            result = await self._call(make)
+        return convert(result, SubmitResult)
+
+    async def resubmit(self, job_id: str, *, idempotency_key: str | None = None) -> SubmitResult:
+        """Submit the stored spec of a job (its owner's) again: a new job. Retried once, as `submit_result`."""
+        key = idempotency_key if idempotency_key is not None else uuid.uuid4().hex
+
+        def make(i: int) -> Request:
+            return Resubmit(id=i, job_id=job_id, idempotency_key=key)
 
         try:
             result = await self._call(make)

@@ -203,6 +203,9 @@ class Client:
     def submit_result(self, spec: JobSpec, *, idempotency_key: str | None = None) -> SubmitResult:
         return _once(lambda: self.aio.submit_result(spec, idempotency_key=idempotency_key))
 
+    def resubmit(self, job_id: str, *, idempotency_key: str | None = None) -> SubmitResult:
+        return _once(lambda: self.aio.resubmit(job_id, idempotency_key=idempotency_key))
+
     def status(self, job_id: str) -> JobView:
         return _once(lambda: self.aio.status(job_id))
 

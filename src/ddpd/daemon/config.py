@@ -60,7 +60,7 @@ class Config:
     worker_command: tuple[str, ...] = ()  # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
     max_running: int = 64
     log_level: str = "info"
-    log_format: str = "auto"  # auto | json | console
+    log_format: str = "auto"  # auto | json | console | human | journald (see logs)
     metrics_listen: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     metrics_token: str | None = None  # bearer token the endpoint requires (mandatory off loopback)
     metrics_token_file: Path | None = None  # a 0600 file holding the token instead
@@ -125,7 +125,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     max_running: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | msgspec.UnsetType = msgspec.UNSET
     log_level: Literal["debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR"] | (
         msgspec.UnsetType) = msgspec.UNSET
-    log_format: Literal["auto", "json", "console"] | msgspec.UnsetType = msgspec.UNSET
+    log_format: Literal["auto", "json", "console", "human", "journald"] | msgspec.UnsetType = msgspec.UNSET
     metrics_listen: Annotated[str, msgspec.Meta(min_length=1, max_length=300)] | msgspec.UnsetType | None = (
         msgspec.UNSET)
     metrics_token: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | msgspec.UnsetType | None = (

@@ -226,6 +226,15 @@ class Journal:
         rows = await self.db.run(lambda c: c.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall())
         return await self._with_ranks([job_from_row(r) for r in rows])
 
+    async def ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """Up to `limit` job ids that start with `prefix` (a range on the primary key), oldest first."""
+        if not prefix:
+            return []
+        upper = prefix[:-1] + chr(min(ord(prefix[-1]) + 1, 0x10FFFF))
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY seq LIMIT ?", (prefix, upper, limit)).fetchall())
+        return [str(r["id"]) for r in rows]
+
     async def job_by_key(self, owner_uid: int, key: str) -> str | None:
         rows = await self.db.run(lambda c: c.execute(
             "SELECT id FROM jobs WHERE owner_uid = ? AND idempotency_key = ?", (owner_uid, key)).fetchall())

@@ -72,6 +72,7 @@ class Job:
     cancel_requested: str | None = None  # why, once asked
     gpus: list[int] = field(default_factory=list)
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
+    waiting_on: list[str] | None = None  # dependencies not yet ended, as last looked at (None: not yet)
 
     def view(self) -> JobView:
         now = time.monotonic()
@@ -89,6 +90,8 @@ class Job:
             root_cause=self.root_cause,
             ranks=[r.view(now) for r in self.ranks],
             store_port=self.store_port,
+            waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
+            if self.state is JobState.QUEUED and self.spec.after else None,
         )
 
 

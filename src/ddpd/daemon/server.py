@@ -54,6 +54,7 @@ from ..protocol.control import (
     Reply,
     Request,
     RequestEnvelope,
+    Resubmit,
     StacksReq,
     Status,
     Submit,
@@ -69,6 +70,7 @@ from .curves import CurveStore, curve_result
 from .errors import DaemonError
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
+from .jobids import resolve
 from .records import Job
 from .replies import Detail, clip_event, fit_view, job_page, visible_view
 from .requests import FrameReader, ReadTimeout
@@ -81,7 +83,7 @@ log = structlog.get_logger("ddpd")
 _envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
 _request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
 _OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload",
-        "stacks", "curve"}
+        "stacks", "curve", "resubmit"}
 REFUSAL_LOG_INTERVAL = 10.0
 MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 
@@ -246,16 +248,14 @@ class ControlServer:
         return True
 
     async def _job(self, job_id: str) -> Job:
-        job = await self.scheduler.lookup(job_id)
-        if job is None:
-            raise RequestError(ErrorCode.NOT_FOUND, f"no job {job_id!r}")
-        return job
+        """The job a request names: its id or a unique prefix (not_found, ambiguous: see jobids)."""
+        return await resolve(self.scheduler.table, job_id)
 
     async def _owned(self, job_id: str, uid: int, what: str) -> Job:
         job = await self._job(job_id)
         if uid not in (0, job.owner_uid):
             raise RequestError(ErrorCode.PERMISSION_DENIED,
-                               f"job {job_id} belongs to uid {job.owner_uid}; only it or root may {what} it")
+                               f"job {job.id} belongs to uid {job.owner_uid}; only it or root may {what} it")
         return job
 
     async def _identity(self, uid: int) -> Identity:
@@ -305,12 +305,12 @@ class ControlServer:
                                        f"client speaks protocol {version}, daemon {PROTOCOL_VERSION}")
                 yield Ok(id=rid, result={"version": PROTOCOL_VERSION, "daemon": __version__})
             case Submit(spec=spec, idempotency_key=key):
-                if not self.scheduler.accepting:
-                    raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                spec = check_spec(spec)
-                await self._check_submitter(spec, uid)
-                job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
-                yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
+                yield Ok(id=rid, result=await self._submit(spec, uid, key))
+            case Resubmit(job_id=job_id, idempotency_key=key):
+                job = await self._owned(job_id, uid, "resubmit")  # its spec carries the owner's environment
+                if job.spec.task is None and job.spec.script is None:  # a stored spec that could not be read
+                    raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job.id} has no spec to submit again")
+                yield Ok(id=rid, result=await self._submit(job.spec, uid, key))
             case Status(job_id=job_id):
                 job = await self._job(job_id)
                 yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
@@ -364,6 +364,14 @@ class ControlServer:
                                        f"only root or the daemon's user (uid {os.getuid()}) may reload it")
                 await self.reload()
                 yield Ok(id=rid, result=None)
+
+    async def _submit(self, spec: JobSpec, uid: int, key: str | None) -> SubmitResult:
+        if not self.scheduler.accepting:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        spec = check_spec(spec)
+        await self._check_submitter(spec, uid)
+        job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
+        return SubmitResult(job_id=job.id, existing=existing)
 
     async def _cancel(self, job: Job, uid: int, force: bool) -> CancelResult:
         if job.state.final:

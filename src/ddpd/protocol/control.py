@@ -36,6 +36,13 @@ class Submit(_Req, tag="submit"):
     idempotency_key: IdempotencyKey | None = None
 
 
+class Resubmit(_Req, tag="resubmit"):
+    """Submit the stored spec of a job again (its owner or root): a new job, a new id."""
+
+    job_id: JobId
+    idempotency_key: IdempotencyKey | None = None
+
+
 class Status(_Req, tag="status"):
     job_id: JobId
 
@@ -109,7 +116,7 @@ class Reload(_Req, tag="reload"):
 
 
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload | StacksReq | CurveReq)
+           | Reload | StacksReq | CurveReq | Resubmit)
 
 
 class RequestEnvelope(msgspec.Struct):
@@ -199,6 +206,7 @@ class JobView(msgspec.Struct, omit_defaults=False):
     root_cause: RootCause | None = None
     ranks: list[RankView] = msgspec.field(default_factory=list)
     store_port: int | None = None
+    waiting_on: list[str] | None = None  # a queued job's dependencies (--after) that have not yet succeeded
 
 
 class EventView(msgspec.Struct, omit_defaults=True):

@@ -39,6 +39,8 @@ MAX_ENVIRON_TOTAL = 1 << 20  # bytes of names and values together (the request l
 MAX_EXPORT = 4096
 MAX_OPTION_KEY = 64
 MAX_OPTION_TEXT = 4096
+MAX_AFTER = 32  # jobs one job may wait for (--after)
+MAX_JOB_ID = 64
 
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -88,6 +90,10 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                             Annotated[str, msgspec.Meta(max_length=MAX_ENVIRON_VALUE)]],
                        msgspec.Meta(max_length=MAX_ENVIRON)] | None = None
     export: Annotated[str, msgspec.Meta(max_length=MAX_EXPORT)] = ""  # ALL, NONE or the names, for display
+    # jobs that must all have SUCCEEDED before this one starts (Slurm's afterok); the daemon stores
+    # them as full ids, whatever prefix was submitted
+    after: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
+                     msgspec.Meta(max_length=MAX_AFTER)] = msgspec.field(default_factory=list)
 
 
 class SpecError(ValueError):
@@ -166,6 +172,12 @@ def _check_texts(spec: JobSpec) -> None:
     check_text("export", spec.export, MAX_EXPORT)
     if spec.environ is not None:
         check_environ(spec.environ)
+    if len(spec.after) > MAX_AFTER:
+        raise SpecError("after", f"more than {MAX_AFTER} jobs")
+    for i, dep in enumerate(spec.after):
+        check_text(f"after[{i}]", dep, MAX_JOB_ID)
+        if not dep:
+            raise SpecError(f"after[{i}]", "an empty job id")
     if len(spec.options) > MAX_OPTIONS:
         raise SpecError("options", f"more than {MAX_OPTIONS} options")
     for key, option in spec.options.items():
