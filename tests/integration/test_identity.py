@@ -225,7 +225,7 @@ async def test_a_per_user_daemon_serves_its_own_user_only(
     os.chown(config, ann.uid, ann.gid)
     sock, state = home / "ddpd.sock", home / "state"
     argv = [USER_PYTHON, "-m", "ddpd.daemon", "serve", "--socket", str(sock), "--state-dir", str(state),
-            "--config", str(config), "--log-format", "json", "--gpus", "0"]
+            "--config", str(config), "--log-format", "json", "--gpus", "0", "--pool-size", "0"]
     async with anyio.create_task_group() as tg:
         proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=str(home),
                                         env=user_env(HOME=str(home)), user=ann.uid, group=ann.gid,

@@ -28,7 +28,7 @@ from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
-from .pool import WarmPool
+from .pool import WarmPool, own_shape
 from .procs import set_child_subreaper
 from .resources import Resources
 from .scheduler import Scheduler
@@ -41,7 +41,7 @@ log = structlog.get_logger("ddpd")
 _ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "pool_size", "cgroup")
+                 "metrics_token", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
 
 
 async def _count_gpus() -> int:
@@ -162,8 +162,10 @@ class Daemon:
         bus = EventBus()
         journal = Journal(db, bus)
         resources = Resources(gpus, cfg.cpu_slots)
-        pool = WarmPool(cfg, resources.busy_cpu)  # warm workers (pool_size 0: none, every rank starts cold)
+        pool = WarmPool(cfg, resources.busy_cpu, subtree)  # warm workers (pool_size 0: none, all start cold)
         self.pool = pool if pool.size else None
+        if os.geteuid() != 0 or cfg.allow_root_jobs:  # the daemon's own user is served: its key is known now
+            pool.use(own_shape(cfg), cfg.pool_per_key)
         self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool, subtree=subtree)
         listener: SocketListener | None = None
         try:

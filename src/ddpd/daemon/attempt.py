@@ -216,6 +216,8 @@ class Attempt:
         cgroup = await self._create_cgroup()
         if self.gang.cgroup is not None:
             launcher.place = self.gang.cgroup.add
+            launcher.cgroup = self.gang.cgroup
+        launcher.use_pool()
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)

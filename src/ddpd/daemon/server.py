@@ -68,7 +68,7 @@ from .errors import DaemonError
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
 from .records import Job
-from .replies import Detail, clip_event, fit_view, job_page, visible_view
+from .replies import Detail, clip_event, fit_view, job_page, positioned, visible_view
 from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
 from .streams import job_events, log_chunks
@@ -310,12 +310,14 @@ class ControlServer:
                 yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
                 job = await self._job(job_id)
-                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
+                view = positioned(job.view(), self.scheduler.queue_positions())
+                yield Ok(id=rid, result=visible_view(view, await self._detail(uid)))
             case ListJobs(all=all_jobs, limit=limit, before=before):
                 limit = min(limit, LIST_LIMIT)
                 jobs = await self.scheduler.page(limit + 1, before, active=not all_jobs)
                 yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before,
-                                                 detail=await self._detail(uid)))
+                                                 detail=await self._detail(uid),
+                                                 positions=self.scheduler.queue_positions()))
             case Cancel(job_id=job_id, force=force):
                 yield Ok(id=rid, result=await self._cancel(await self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):

@@ -192,6 +192,7 @@ class JobView(msgspec.Struct, omit_defaults=False):
     root_cause: RootCause | None = None
     ranks: list[RankView] = msgspec.field(default_factory=list)
     store_port: int | None = None
+    queue_position: int | None = None  # while QUEUED: 1 is the next to start, in the scheduler's order
 
 
 class EventView(msgspec.Struct, omit_defaults=True):
