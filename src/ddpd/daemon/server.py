@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
 
@@ -65,6 +66,7 @@ from ..protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_dir
 from ..protocol.spec import reserved_env
 from .config import ConfigError
 from .errors import DaemonError
+from .gpuview import daemon_gpus, with_rank_gpus
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
 from .records import Job
@@ -242,6 +244,15 @@ class ControlServer:
             return await self._send(stream, Error(id=rid, code=code, message=clip_text(str(exc), MESSAGE_LIMIT)))
         return True
 
+    async def _info_with_gpus(self) -> DaemonInfo:
+        """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview)."""
+        info = self.info()
+        if info.gpus == 0:
+            return info
+        running = [j for j in self.scheduler.unended.values() if j.id in self.scheduler.running]
+        devices, note = await daemon_gpus(running)
+        return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
+
     async def _job(self, job_id: str) -> Job:
         job = await self.scheduler.lookup(job_id)
         if job is None:
@@ -310,7 +321,7 @@ class ControlServer:
                 yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
             case Status(job_id=job_id):
                 job = await self._job(job_id)
-                view = positioned(job.view(), self.scheduler.queue_positions())
+                view = await with_rank_gpus(positioned(job.view(), self.scheduler.queue_positions()), job)
                 yield Ok(id=rid, result=visible_view(view, await self._detail(uid)))
             case ListJobs(all=all_jobs, limit=limit, before=before):
                 limit = min(limit, LIST_LIMIT)
@@ -352,7 +363,7 @@ class ControlServer:
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():
-                yield Ok(id=rid, result=self.info())
+                yield Ok(id=rid, result=await self._info_with_gpus())
             case Reload():
                 if uid not in (0, os.getuid()):
                     raise RequestError(ErrorCode.PERMISSION_DENIED,
