@@ -225,6 +225,9 @@ async def test_the_pool_keeps_a_users_shape_warm_and_serves_no_one_else(
         (cold_id, cold, cold_pooled), (_, bobs, bob_pooled), (warm_id, warm, warm_pooled) = runs
         assert cold_pooled == [None] and bob_pooled == [None] and bobs["uid"] == bob.uid
         assert warm_pooled == [True] and warm["pid"] == pooled
+        warm_env, cold_env = as_cold_start(warm, warm_id)["environ"], as_cold_start(cold, cold_id)["environ"]
+        assert warm_env == cold_env, {k: (warm_env.get(k), cold_env.get(k)) for k in {*warm_env, *cold_env}
+                                      if warm_env.get(k) != cold_env.get(k)}
         assert as_cold_start(warm, warm_id) == as_cold_start(cold, cold_id)
         assert warm["uid"] == ann.uid and warm["env"]["MY_SETTING"] == "hello" and warm["env"]["DAEMON_SETTING"] is None
 
