@@ -55,10 +55,10 @@ def public_tmp() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def shared_daemon(base: Path, *flags: str) -> AsyncIterator[DaemonProc]:
+async def shared_daemon(base: Path, *flags: str, config_text: str = "") -> AsyncIterator[DaemonProc]:
     """A root daemon whose socket everyone may use, with a variable of its own in its environment."""
     config = base / "ddpd.toml"
-    config.write_text('socket_mode = "0666"\n')
+    config.write_text('socket_mode = "0666"\n' + config_text)
     async with running_daemon(base, "--config", str(config), "--gpus", "0", *flags,
                               env={"DAEMON_SETTING": "daemon"}) as d:
         yield d
@@ -206,7 +206,7 @@ async def test_the_pool_keeps_a_users_shape_warm_and_serves_no_one_else(
     runs on the pooled interpreter, which is then the cold start it stands in for: the same uid,
     groups, umask, environment, interpreter, working directory and cgroup."""
     ann, bob = users
-    async with shared_daemon(public_tmp, "--pool-size", "2") as d:
+    async with shared_daemon(public_tmp, "--pool-size", "2", config_text="pool_per_key = 1\n") as d:
         runs: list[tuple[str, dict[str, Any], list[Any]]] = []
         for who in (ann, bob, ann):
             job_id = await submit_as(who, d, "--python", USER_PYTHON, "--", SHOW, MY_SETTING="hello")

@@ -54,14 +54,16 @@ def test_a_pooled_interpreter_starts_with_the_start_up_variables_and_the_identit
                                "LANG": "C.UTF-8", "HOME": "/root", "USER": "ann"}
 
 
-def test_a_key_wants_the_ranks_of_its_last_job_up_to_the_per_key_bound() -> None:
+def test_a_key_wants_two_jobs_worth_of_its_last_job_up_to_the_per_key_bound() -> None:
     a = key()
-    p = plan({a: demand(a, 2, 0.0)}, {}, total=4, per_key=2, idle_expiry=600, now=1.0)
-    assert p.spawn == {a: 2} and not p.retire and not p.forget
-    p = plan({a: demand(a, 8, 0.0)}, {a: 1}, total=4, per_key=2, idle_expiry=600, now=1.0)
-    assert p.spawn == {a: 1}
-    p = plan({a: demand(a, 1, 0.0)}, {a: 1}, total=4, per_key=2, idle_expiry=600, now=1.0)
+    p = plan({a: demand(a, 2, 0.0)}, {}, total=8, per_key=4, idle_expiry=600, now=1.0)
+    assert p.spawn == {a: 4} and not p.retire and not p.forget  # the next job and the one after it
+    p = plan({a: demand(a, 8, 0.0)}, {a: 1}, total=8, per_key=4, idle_expiry=600, now=1.0)
+    assert p.spawn == {a: 3}
+    p = plan({a: demand(a, 1, 0.0)}, {a: 2}, total=8, per_key=4, idle_expiry=600, now=1.0)
     assert p.spawn == {} and p.retire == {}
+    p = plan({a: demand(a, 1, 0.0)}, {a: 4}, total=8, per_key=4, idle_expiry=600, now=1.0)
+    assert p.retire == {a: 2}  # its jobs got smaller
 
 
 def test_the_key_used_last_takes_the_room_of_the_key_used_longest_ago() -> None:

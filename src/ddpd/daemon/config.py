@@ -57,7 +57,7 @@ class Config:
     cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
     gpus: int | None = None  # None: ask torch at start
     pool_size: int = 4  # warm interpreters in all (0: none); see docs/pool.md for the memory each holds
-    pool_per_key: int = 2  # warm interpreters per (user, interpreter, start-up environment)
+    pool_per_key: int = 4  # per (user, interpreter, start-up environment): 2 jobs' worth of a 2-rank job
     pool_idle_expiry: float = 600.0  # seconds a key stays warm after its last job started
     worker_command: tuple[str, ...] = ()  # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
     max_running: int = 64

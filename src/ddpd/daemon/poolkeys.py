@@ -10,7 +10,9 @@ on assignment (`launch`), so the rank is then the cold start it stands in for.
 The pool learns keys from the jobs it sees (`Demand`: the key's `Shape`, the ranks of its last
 job, when it was last used) and `plan` sizes it:
 
-- a key wants ``min(per_key, ranks of its last job)`` interpreters;
+- a key wants ``min(per_key, 2 x ranks of its last job)`` interpreters: enough for the next job of
+  the shape and the one after it, so back-to-back jobs stay warm while the pool refills (a refill
+  imports torch, seconds of CPU, and starts only once the job that took the workers has ended);
 - all keys together hold at most ``total``: the keys used most recently are served first, so a
   key just used takes the room of idle interpreters of the key used longest ago;
 - a key unused for ``idle_expiry`` seconds is forgotten and its interpreters retired.
@@ -100,6 +102,7 @@ class Shape:
 class Demand:
     """What the pool knows of one key: its shape, the ranks its last job had, when it was last used."""
 
+
     shape: Shape
     ranks: int
     last_used: float
@@ -127,7 +130,7 @@ def plan(demand: Mapping[PoolKey, Demand], held: Mapping[PoolKey, int], *, total
     room = max(0, total)
     share: dict[PoolKey, int] = {}
     for d in live:
-        share[d.shape.key] = n = min(room, max(0, per_key), max(0, d.ranks))
+        share[d.shape.key] = n = min(room, max(0, per_key), 2 * max(0, d.ranks))
         room -= n
     spawn = {k: n - held.get(k, 0) for k, n in share.items() if n > held.get(k, 0)}
     retire = {k: h - share.get(k, 0) for k, h in held.items() if h > share.get(k, 0)}
