@@ -62,7 +62,7 @@ async def timed_job(d: Daemon, spec: JobSpec) -> tuple[float, bool]:
         view = await d.client.status(job_id)
         raise BenchError(f"job {job_id} ended {view.state}: {why(view.root_cause)}\n{d.log_tail()}")
     pooled = [e.data.get("pooled") for _, e in d.events.by_job[job_id] if e.kind == "rank.spawned"]
-    return t_done - t0, all(pooled)
+    return t_done - t0, bool(pooled) and all(pooled)
 
 
 async def timed_launcher(base: Path, kind: str) -> float:

@@ -39,6 +39,9 @@ MAX_ENVIRON_TOTAL = 1 << 20  # bytes of names and values together (the request l
 MAX_EXPORT = 4096
 MAX_OPTION_KEY = 64
 MAX_OPTION_TEXT = 4096
+MIN_MEMORY = 1 << 20  # bytes: a job's memory limit is at least 1 MiB
+MAX_MEMORY = 1 << 50
+MAX_CPUS = 65536.0
 
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -88,6 +91,10 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                             Annotated[str, msgspec.Meta(max_length=MAX_ENVIRON_VALUE)]],
                        msgspec.Meta(max_length=MAX_ENVIRON)] | None = None
     export: Annotated[str, msgspec.Meta(max_length=MAX_EXPORT)] = ""  # ALL, NONE or the names, for display
+    # limits of the attempt's cgroup (memory.max, cpu.max) where the daemon has those controllers;
+    # reported as unavailable (event job.limits) where it has not
+    memory: Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)] | None = None  # bytes
+    cpus: Annotated[float, msgspec.Meta(gt=0, le=MAX_CPUS)] | None = None
 
 
 class SpecError(ValueError):
