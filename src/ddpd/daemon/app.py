@@ -28,7 +28,8 @@ from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
-from .pool import WarmPool, own_shape
+from .pool import WarmPool
+from .poolkeys import own_shape
 from .procs import set_child_subreaper
 from .resources import Resources
 from .scheduler import Scheduler

@@ -36,8 +36,8 @@ from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
 from .identity import Identity, job_environment
-from .pool import WarmPool, pool_eligible, pool_env
-from .poolkeys import PoolKey, Shape, start_env
+from .pool import WarmPool
+from .poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
 from .ranks import RankHandle
 from .records import Job, Rank
 from .rendezvous import Rendezvous
@@ -154,7 +154,8 @@ class Launcher:
         Raises OSError when a cold start (or the cgroup placement of a pooled one) fails.
         """
         taken = None
-        if self.pool is not None and (self.cgroup is not None or not self.pool.contained):
+        if self.pool is not None and self.pool.serves(self.shape) and (self.cgroup is not None
+                                                                         or not self.pool.contained):
             taken = self.pool.take(self.shape.key)
         if taken is not None:
             proc, channel = taken.proc, taken.channel

@@ -30,8 +30,6 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   No polling: only pidfds, sockets, events and the next expiry's deadline.
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
-
-Which jobs may use the pool: see `pool_eligible`.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -53,50 +50,23 @@ import anyio.to_thread
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from ..protocol import FrameError, JobSpec
+from ..protocol import FrameError
 from ..protocol.channel import Hello, WorkerMessage
 from ..protocol.worker import worker_args
 from . import procs
 from .cgroups import AttemptCgroup, Subtree
 from .channel import WorkerChannel
 from .config import Config
-from .poolkeys import COLD_ENV_PREFIXES, POOL_SAFE_ENV, STARTUP_EXACT, Demand, PoolKey, Shape, next_expiry, plan
-from .poolkeys import start_env as start_env
+from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
 from .usertree import create_user_file
 
 log = structlog.get_logger("ddpd")
 
-SYSTEMD_ENV = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 BACKOFF_MAX = 60.0
 SHUTDOWN_WAIT = 5.0
 CGROUP_WAIT = 5.0  # seconds for a pool worker's cgroup to empty after cgroup.kill
 POOL_LOG = "pool.log"
-
-
-def pool_eligible(spec: JobSpec) -> str | None:
-    """None when the job's ranks may be pooled workers, else why they must start cold."""
-    for key in spec.env:
-        if key in STARTUP_EXACT or (key not in POOL_SAFE_ENV and key.startswith(COLD_ENV_PREFIXES)):
-            return f"spec.env sets {key}, read at interpreter or torch start"
-    return None
-
-
-def pool_env() -> dict[str, str]:
-    """The daemon's environment less systemd's variables: what a job from a client that sends no
-    environment starts from."""
-    env = dict(os.environ)
-    for key in SYSTEMD_ENV:
-        env.pop(key, None)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def own_shape(config: Config) -> Shape:
-    """The daemon's own key: its user, its worker interpreter, its environment."""
-    argv = config.worker_command or (sys.executable, "-m", "ddpd.worker")
-    env = start_env(pool_env())
-    return Shape(key=PoolKey.of(os.geteuid(), argv[0], env), argv=tuple(argv), env=env, identity=None,
-                 cwd=str(config.state_dir))
+MAX_KEYS = 256  # keys remembered at once (each is a few hundred bytes; the plan serves the recent ones)
 
 
 @dataclass(eq=False)
@@ -160,11 +130,18 @@ class WarmPool:
     def ready_count(self, key: PoolKey) -> int:
         return len(self._ready.get(key, ()))
 
+    def serves(self, shape: Shape) -> bool:
+        """Whether the pool may hold interpreters of this shape: another user's only where each
+        pooled interpreter has a cgroup of its own (what its start forks must not escape)."""
+        return self.size > 0 and (shape.identity is None or self.contained)
+
     def use(self, shape: Shape, ranks: int) -> None:
         """A job of this shape is starting `ranks` ranks: keep its key warm for the next one."""
-        if self.size == 0:
+        if not self.serves(shape):
             return
         self._demand[shape.key] = Demand(shape, ranks, time.monotonic())
+        if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
+            del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
         self._wake.set()
 
     def take(self, key: PoolKey) -> PoolWorker | None:

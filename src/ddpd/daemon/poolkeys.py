@@ -17,15 +17,19 @@ job, when it was last used) and `plan` sizes it:
   key just used takes the room of idle interpreters of the key used longest ago;
 - a key unused for ``idle_expiry`` seconds is forgotten and its interpreters retired.
 
-Nothing here does I/O or reads a clock: `plan` takes ``now``.
+Nothing here does I/O or reads a clock (`plan` takes ``now``); `pool_env` and `own_shape` read
+this process's environment and uid. Which jobs may use the pool at all: `pool_eligible`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..protocol import JobSpec
+from .config import Config
 from .identity import Identity
 
 # Variables read when the interpreter, libc, the OpenMP/BLAS runtimes or torch (and the modules a
@@ -42,6 +46,7 @@ STARTUP_EXACT = frozenset({"HOME"})
 UNKEYED = frozenset({"PYTHONUNBUFFERED"})  # every pooled interpreter starts unbuffered
 # besides the start-up variables, what a pooled interpreter starts with (the rest comes on assignment)
 START_KEEP = ("PATH", "USER", "LOGNAME", "SHELL", "TMPDIR")
+SYSTEMD_ENV = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
 def startup_var(name: str) -> bool:
@@ -96,6 +101,32 @@ class Shape:
     env: Mapping[str, str]
     identity: Identity | None  # the user to start it as, through the gate; None: the daemon's own user
     cwd: str
+
+
+def pool_eligible(spec: JobSpec) -> str | None:
+    """None when the job's ranks may be pooled workers, else why they must start cold."""
+    for key in spec.env:
+        if key in STARTUP_EXACT or (key not in POOL_SAFE_ENV and key.startswith(COLD_ENV_PREFIXES)):
+            return f"spec.env sets {key}, read at interpreter or torch start"
+    return None
+
+
+def pool_env() -> dict[str, str]:
+    """The daemon's environment less systemd's variables: what a job from a client that sends no
+    environment starts from."""
+    env = dict(os.environ)
+    for key in SYSTEMD_ENV:
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def own_shape(config: Config) -> Shape:
+    """The daemon's own key: its user, its worker interpreter, its environment."""
+    argv = config.worker_command or (sys.executable, "-m", "ddpd.worker")
+    env = start_env(pool_env())
+    return Shape(key=PoolKey.of(os.geteuid(), argv[0], env), argv=tuple(argv), env=env, identity=None,
+                 cwd=str(config.state_dir))
 
 
 @dataclass
