@@ -170,13 +170,13 @@ class WarmPool:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Keep each key's share ready or starting until cancelled; then kill and reap them all."""
+        if self.subtree is not None:  # pool cgroups a killed daemon left behind (whatever the size now)
+            await anyio.to_thread.run_sync(_sweep_cgroups, self.subtree.jobs)
         if self.size == 0:
             task_status.started()
             return
         try:
             async with anyio.create_task_group() as tg:
-                if self.subtree is not None:  # pool cgroups a killed daemon left behind
-                    await anyio.to_thread.run_sync(_sweep_cgroups, self.subtree.jobs)
                 task_status.started()
                 log.info("pool.started", size=self.size, per_key=self.per_key, idle_expiry=self.idle_expiry,
                          log=str(self.log_path))
