@@ -36,7 +36,7 @@ from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
 from .identity import Identity, job_environment
-from .pool import WarmPool
+from .pool import WarmPool, end_cgroup
 from .poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
 from .ranks import RankHandle
 from .records import Job, Rank
@@ -173,6 +173,8 @@ class Launcher:
                 channel.close()
                 proc.kill()
                 proc.wait()
+                if taken.cgroup is not None:
+                    end_cgroup(taken.cgroup)  # whatever stayed behind in it
                 raise
             return handle
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -159,7 +159,7 @@ class WarmPool:
                             idle=True)
                 w.channel.close()
                 if w.cgroup is not None:
-                    _end_cgroup(w.cgroup)
+                    end_cgroup(w.cgroup)
                 continue
             assert w.hello is not None
             log.info("pool.worker_taken", pid=w.pid, ready=len(ready), uid=key.uid, size=self.size)
@@ -248,7 +248,7 @@ class WarmPool:
             log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
         except OSError as exc:
             if cgroup is not None:
-                await anyio.to_thread.run_sync(_end_cgroup, cgroup)
+                await anyio.to_thread.run_sync(end_cgroup, cgroup)
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -260,7 +260,7 @@ class WarmPool:
         except OSError as exc:
             parent_end.close()
             if cgroup is not None:
-                await anyio.to_thread.run_sync(_end_cgroup, cgroup)
+                await anyio.to_thread.run_sync(end_cgroup, cgroup)
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         finally:
@@ -317,7 +317,7 @@ class WarmPool:
                     w.channel.close()
                     if w.cgroup is not None and not w.taken:
                         with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(_end_cgroup, w.cgroup)
+                            await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
                 if not w.taken:
                     self._wake.set()
 
@@ -341,12 +341,12 @@ class WarmPool:
                 await procs.wait_exit(w.proc)
         for w in left:
             if w.cgroup is not None:
-                await anyio.to_thread.run_sync(_end_cgroup, w.cgroup)
+                await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
         alive = [w.pid for w in left if w.proc.poll() is None]
         log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
 
 
-def _end_cgroup(cgroup: AttemptCgroup) -> None:
+def end_cgroup(cgroup: AttemptCgroup) -> None:
     """Kill whatever a pool worker left in its cgroup (a forked escapee included) and remove it."""
     try:
         if cgroup.kill(CGROUP_WAIT):
@@ -360,4 +360,4 @@ def _end_cgroup(cgroup: AttemptCgroup) -> None:
 def _sweep_cgroups(jobs: Path) -> None:
     for path in jobs.glob("pool-*"):
         if path.is_dir():
-            _end_cgroup(AttemptCgroup(path))
+            end_cgroup(AttemptCgroup(path))
