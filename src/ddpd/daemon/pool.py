@@ -207,7 +207,10 @@ class WarmPool:
                     idle_expiry=self.idle_expiry, now=now)
         for key in todo.forget:
             del self._demand[key]
+            self._failures.pop(key, None)
             log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
+        # backoffs still running, of keys still wanted (a past one must not wake the loop again)
+        self._retry_at = {k: t for k, t in self._retry_at.items() if t > now and k in self._demand}
         for key, n in todo.retire.items():
             ready = self._ready.get(key, deque())
             for _ in range(min(n, len(ready))):
@@ -216,9 +219,8 @@ class WarmPool:
                 log.info("pool.worker_retired", pid=w.pid, uid=key.uid)
                 self._kill(w)  # its watcher reaps it and ends its cgroup
         for key, n in todo.spawn.items():
-            if self._retry_at.get(key, 0.0) > now:
+            if key in self._retry_at:
                 continue
-            self._retry_at.pop(key, None)
             for _ in range(n):
                 if self._closing or not self._idle_core() or key not in self._demand:
                     return
@@ -312,6 +314,8 @@ class WarmPool:
                 ready = self._ready.get(w.key)
                 if ready is not None and w in ready:
                     ready.remove(w)
+                if ready is not None and not ready and w.key not in self._demand:
+                    del self._ready[w.key]
                 if w.proc.returncode is not None:  # reaped; else (shutdown) `_close` kills it
                     self._workers.discard(w)
                     w.channel.close()
