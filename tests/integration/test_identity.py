@@ -222,6 +222,9 @@ async def test_the_pool_keeps_a_users_shape_warm_and_serves_no_one_else(
                                          TIMEOUT)
                 pooled = int(ready["pid"])
                 assert os.stat(f"/proc/{pooled}").st_uid == ann.uid
+        # two in all: the keys used last (ann's, bob's) took the room of the daemon's own key
+        retired = await d.wait_log(lambda e: e.get("event") == "pool.worker_retired", TIMEOUT)
+        assert retired["uid"] == os.geteuid()
         (cold_id, cold, cold_pooled), (_, bobs, bob_pooled), (warm_id, warm, warm_pooled) = runs
         assert cold_pooled == [None] and bob_pooled == [None] and bobs["uid"] == bob.uid
         assert warm_pooled == [True] and warm["pid"] == pooled
