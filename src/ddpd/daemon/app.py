@@ -166,7 +166,7 @@ class Daemon:
         pool = WarmPool(cfg, resources.busy_cpu, subtree)  # warm workers (pool_size 0: none, all start cold)
         self.pool = pool if pool.size else None
         if os.geteuid() != 0 or cfg.allow_root_jobs:  # the daemon's own user is served: its key is known now
-            pool.use(own_shape(cfg), max(1, cfg.pool_per_key // 2))
+            pool.use(own_shape(cfg), 1)  # two interpreters, until a job of it says how many ranks it has
         self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool, subtree=subtree)
         listener: SocketListener | None = None
         try:
