@@ -36,7 +36,17 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
-          "checkpoint_every", "priority")
+          "checkpoint_every", "priority", "cpus")
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A memory size as `--mem` takes it: bytes, or K, M, G, T (powers of 1024), e.g. 512M, 8G, 1.5GiB."""
+    match = _SIZE.match(text.strip())
+    if match is None:
+        raise click.BadParameter(f"expected a size such as 512M or 8G, got {text!r}", param_hint="--mem")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " KMGT".index(unit.upper() or " "))
 
 
 def typed_value(text: str) -> str | int | float | bool:
@@ -87,6 +97,11 @@ _OPTIONS: list[Callable[[F], F]] = [
     click.option("--max-restarts", type=int, default=None, metavar="N"),
     click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
     click.option("--priority", type=int, default=None, metavar="N"),
+    click.option("--mem", "mem", default=None, metavar="SIZE",
+                 help="Memory limit of the job's cgroup (512M, 8G), where the daemon has the memory controller."),
+    click.option("--cpus", type=float, default=None, metavar="N",
+                 help="CPU limit of the job's cgroup (1.5 = one and a half cores), where the daemon has the cpu "
+                 "controller."),
     click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank."),
     click.option(
         "--workdir",
@@ -150,6 +165,8 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     timeouts = {key: values[name] for name, key in _TIMEOUTS.items() if values.get(name) is not None}
     if timeouts:
         fields["timeouts"] = timeouts
+    if values.get("mem") is not None:
+        fields["memory"] = parse_size(str(values["mem"]))
     if values.get("env"):
         fields["env"] = dict(pairs("--env", values["env"]))
     python = values.get("python")

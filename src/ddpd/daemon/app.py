@@ -30,6 +30,7 @@ from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
 from .pool import WarmPool
+from .poolkeys import own_shape
 from .procs import set_child_subreaper
 from .resources import Resources
 from .scheduler import Scheduler
@@ -42,7 +43,7 @@ log = structlog.get_logger("ddpd")
 _ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "pool_size", "cgroup")
+                 "metrics_token", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
 
 
 async def _count_gpus() -> int:
@@ -165,8 +166,10 @@ class Daemon:
         curves = CurveStore(journal)
         bus.listen(curves.observe)
         resources = Resources(gpus, cfg.cpu_slots)
-        pool = WarmPool(cfg, resources.busy_cpu)  # warm workers (pool_size 0: none, every rank starts cold)
+        pool = WarmPool(cfg, resources.busy_cpu, subtree)  # warm workers (pool_size 0: none, all start cold)
         self.pool = pool if pool.size else None
+        if os.geteuid() != 0 or cfg.allow_root_jobs:  # the daemon's own user is served: its key is known now
+            pool.use(own_shape(cfg), 1)  # two interpreters, until a job of it says how many ranks it has
         self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool, subtree=subtree)
         listener: SocketListener | None = None
         try:

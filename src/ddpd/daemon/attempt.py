@@ -39,6 +39,7 @@ from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .gpus import nccl_env
 from .identity import Identity, UnknownUser
+from .joblimits import LimitsOutcome, apply_limits, wanted
 from .journal import Journal
 from .launch import Launcher
 from .outcome import Outcome, bounded
@@ -214,8 +215,16 @@ class Attempt:
                 reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
             return
         cgroup = await self._create_cgroup()
+        if wanted(job.spec):  # --mem / --cpus: applied where the controller is delegated, else said why not
+            try:
+                limits = await anyio.to_thread.run_sync(apply_limits, job.spec, self.gang.cgroup, self.subtree)
+            except (OSError, ValueError) as exc:
+                limits = LimitsOutcome(unavailable={c: f"cannot write the limit: {exc}" for c in wanted(job.spec)})
+            await self.journal.event(job, "job.limits", applied=limits.applied, unavailable=limits.unavailable)
         if self.gang.cgroup is not None:
             launcher.place = self.gang.cgroup.add
+            launcher.cgroup = self.gang.cgroup
+        launcher.use_pool()
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)

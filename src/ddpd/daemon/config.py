@@ -56,7 +56,9 @@ class Config:
     heartbeat_interval: float = 1.0
     cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
     gpus: int | None = None  # None: ask torch at start
-    pool_size: int = 0
+    pool_size: int = 4  # warm interpreters in all (0: none); see docs/pool.md for the memory each holds
+    pool_per_key: int = 4  # per (user, interpreter, start-up environment): 2 jobs' worth of a 2-rank job
+    pool_idle_expiry: float = 600.0  # seconds a key stays warm after its last job started
     worker_command: tuple[str, ...] = ()  # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
     max_running: int = 64
     log_level: str = "info"
@@ -121,6 +123,8 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     cpu_slots: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | msgspec.UnsetType = msgspec.UNSET
     gpus: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType | None = msgspec.UNSET
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType = msgspec.UNSET
+    pool_per_key: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType = msgspec.UNSET
+    pool_idle_expiry: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | msgspec.UnsetType = msgspec.UNSET
     worker_command: Annotated[list[Text], msgspec.Meta(max_length=64)] | msgspec.UnsetType = msgspec.UNSET
     max_running: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | msgspec.UnsetType = msgspec.UNSET
     log_level: Literal["debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR"] | (

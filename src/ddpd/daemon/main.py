@@ -43,7 +43,8 @@ def main() -> None:
 @click.option("--gpus", type=int, help="number of GPUs to schedule (default: what torch finds)")
 @click.option("--cpu-slots", type=int, help="CPU ranks that may run at once (default: cores)")
 @click.option("--heartbeat-interval", type=float, help="seconds between worker heartbeats")
-@click.option("--pool-size", type=click.IntRange(min=0), help="warm pre-started workers to keep (default 0: none)")
+@click.option("--pool-size", type=click.IntRange(min=0),
+              help="warm pre-started workers to keep in all (default 4; 0: none)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--log-format", type=click.Choice(["auto", "json", "console", "human", "journald"]),
               help="auto: journald when stderr is the journal, one line per job state change (human) on a "

@@ -78,6 +78,11 @@ class Scheduler:
         """Up to `limit` jobs with seq below `before`, newest first."""
         return await self.table.page(limit, before, owner_uid=owner_uid, active=active)
 
+    def queue_positions(self) -> dict[str, int]:
+        """Each queued job's place in line (1: the next to start), in the order the scheduler admits them."""
+        waiting = (j for j in self.table.queued() if j.id not in self.running)
+        return {j.id: n for n, j in enumerate(waiting, start=1)}
+
     def state_counts(self) -> dict[JobState, int]:
         return self.table.state_counts()
 

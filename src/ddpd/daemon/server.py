@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
 
@@ -68,11 +69,12 @@ from ..protocol.spec import reserved_env
 from .config import ConfigError
 from .curves import CurveStore, curve_result
 from .errors import DaemonError
+from .gpuview import daemon_gpus, with_rank_gpus
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
 from .jobids import resolve
 from .records import Job
-from .replies import Detail, clip_event, fit_view, job_page, visible_view
+from .replies import Detail, clip_event, fit_view, job_page, positioned, visible_view
 from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
 from .streams import job_events, log_chunks
@@ -247,6 +249,15 @@ class ControlServer:
             return await self._send(stream, Error(id=rid, code=code, message=clip_text(str(exc), MESSAGE_LIMIT)))
         return True
 
+    async def _info_with_gpus(self) -> DaemonInfo:
+        """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview)."""
+        info = self.info()
+        if info.gpus == 0:
+            return info
+        running = [j for j in self.scheduler.unended.values() if j.id in self.scheduler.running]
+        devices, note = await daemon_gpus(running)
+        return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
+
     async def _job(self, job_id: str) -> Job:
         """The job a request names: its id or a unique prefix (not_found, ambiguous: see jobids)."""
         return await resolve(self.scheduler.table, job_id)
@@ -313,12 +324,14 @@ class ControlServer:
                 yield Ok(id=rid, result=await self._submit(job.spec, uid, key))
             case Status(job_id=job_id):
                 job = await self._job(job_id)
-                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
+                view = await with_rank_gpus(positioned(job.view(), self.scheduler.queue_positions()), job)
+                yield Ok(id=rid, result=visible_view(view, await self._detail(uid)))
             case ListJobs(all=all_jobs, limit=limit, before=before):
                 limit = min(limit, LIST_LIMIT)
                 jobs = await self.scheduler.page(limit + 1, before, active=not all_jobs)
                 yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before,
-                                                 detail=await self._detail(uid)))
+                                                 detail=await self._detail(uid),
+                                                 positions=self.scheduler.queue_positions()))
             case Cancel(job_id=job_id, force=force):
                 yield Ok(id=rid, result=await self._cancel(await self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):
@@ -357,7 +370,7 @@ class ControlServer:
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():
-                yield Ok(id=rid, result=self.info())
+                yield Ok(id=rid, result=await self._info_with_gpus())
             case Reload():
                 if uid not in (0, os.getuid()):
                     raise RequestError(ErrorCode.PERMISSION_DENIED,

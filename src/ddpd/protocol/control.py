@@ -176,6 +176,27 @@ class RootCause(msgspec.Struct, omit_defaults=True):
     detail: str | None = None
 
 
+class RankGpu(msgspec.Struct, omit_defaults=True):
+    """A GPU a rank was given, and the memory the rank's own process holds on it (bytes; None where
+    NVML cannot tell: no NVML, the process not on the GPU yet, or the driver hides it)."""
+
+    index: int
+    memory_used: int | None = None
+
+
+class GpuView(msgspec.Struct, omit_defaults=True):
+    """One GPU as `ddpctl daemon` shows it: NVML's memory (bytes) and utilisation (percent, None where
+    unknown), and the jobs holding it (given it by the scheduler, or with a rank's process on it)."""
+
+    index: int
+    name: str
+    memory_total: int
+    memory_used: int
+    utilization: int | None = None
+    jobs: list[str] = msgspec.field(default_factory=list)
+    other_processes: int = 0  # processes on it that are no rank of a running job
+
+
 class RankView(msgspec.Struct, omit_defaults=False):
     rank: int
     attempt: int
@@ -190,6 +211,7 @@ class RankView(msgspec.Struct, omit_defaults=False):
     checksum: float | None = None
     log: str | None = None
     stack_dump: bool = False
+    gpus: list[RankGpu] = msgspec.field(default_factory=list)
 
 
 class JobView(msgspec.Struct, omit_defaults=False):
@@ -207,6 +229,7 @@ class JobView(msgspec.Struct, omit_defaults=False):
     ranks: list[RankView] = msgspec.field(default_factory=list)
     store_port: int | None = None
     waiting_on: list[str] | None = None  # a queued job's dependencies (--after) that have not yet succeeded
+    queue_position: int | None = None  # while QUEUED: 1 is the next to start, in the scheduler's order
 
 
 class EventView(msgspec.Struct, omit_defaults=True):
@@ -264,6 +287,8 @@ class DaemonInfo(msgspec.Struct):
     free_cpu_slots: int | None = None
     free_gpus: int | None = None
     pool_ready: int | None = None
+    gpu_devices: list[GpuView] = msgspec.field(default_factory=list)
+    gpu_note: str | None = None  # why gpu_devices is empty on a daemon with GPUs (NVML unavailable...)
 
 
 class CurvePoint(msgspec.Struct, array_like=True):

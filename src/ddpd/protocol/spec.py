@@ -41,6 +41,9 @@ MAX_OPTION_KEY = 64
 MAX_OPTION_TEXT = 4096
 MAX_AFTER = 32  # jobs one job may wait for (--after)
 MAX_JOB_ID = 64
+MIN_MEMORY = 1 << 20  # bytes: a job's memory limit is at least 1 MiB
+MAX_MEMORY = 1 << 50
+MAX_CPUS = 65536.0
 
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -94,6 +97,10 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # them as full ids, whatever prefix was submitted
     after: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
                      msgspec.Meta(max_length=MAX_AFTER)] = msgspec.field(default_factory=list)
+    # limits of the attempt's cgroup (memory.max, cpu.max) where the daemon has those controllers;
+    # reported as unavailable (event job.limits) where it has not
+    memory: Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)] | None = None  # bytes
+    cpus: Annotated[float, msgspec.Meta(gt=0, le=MAX_CPUS)] | None = None
 
 
 class SpecError(ValueError):

@@ -49,6 +49,18 @@ POOL_IMPORTS = (
 )
 
 
+def pool_imports() -> None:
+    """Import what DDP imports lazily, leaving the environment as it was: some of these modules set
+    variables as they load (torch._inductor: TORCHINDUCTOR_CACHE_DIR), which a cold start of the
+    job would not have before its own code ran."""
+    before = dict(os.environ)
+    for name in POOL_IMPORTS:
+        importlib.import_module(name)
+    for key in [k for k in os.environ if k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` when the parent (the daemon) dies."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -208,8 +220,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     import torch
 
     if args.pool:
-        for name in POOL_IMPORTS:
-            importlib.import_module(name)
+        pool_imports()
 
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
