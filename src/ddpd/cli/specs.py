@@ -36,7 +36,7 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
-          "checkpoint_every", "priority")
+          "checkpoint_every", "priority", "log_max")
 
 
 def typed_value(text: str) -> str | int | float | bool:
@@ -87,6 +87,8 @@ _OPTIONS: list[Callable[[F], F]] = [
     click.option("--max-restarts", type=int, default=None, metavar="N"),
     click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
     click.option("--priority", type=int, default=None, metavar="N"),
+    click.option("--log-max", "log_max", type=int, default=None, metavar="BYTES",
+                 help="Rotate each rank log past this size, keeping the newest [default and most: the daemon's]."),
     click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank."),
     click.option(
         "--workdir",

@@ -140,6 +140,27 @@ async def rotate_in_thread(fd: int, max_bytes: int, backup: StrPath,
     return None
 
 
+def size_of_live(fd: int, name: StrPath) -> int:
+    """The size of a live log by its fd (blocking); RotationError when it is not a regular file."""
+    return _check_regular(fd, name).st_size
+
+
+def write_beside(path: StrPath, data: bytes, like: int) -> None:
+    """Replace `path` (in a job's directory) by a new file holding `data`, made as the ``.1`` backup
+    is (no symlink followed, a racing file gives up) with the mode and owner of the file `like`."""
+    st = os.fstat(like)
+    out = _create_backup(Path(path))
+    try:
+        os.fchmod(out, stat.S_IMODE(st.st_mode) & 0o666)
+        if os.geteuid() == 0:
+            os.fchown(out, st.st_uid, st.st_gid)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view):]
+    finally:
+        os.close(out)
+
+
 def _check_regular(fd: int, name: StrPath) -> os.stat_result:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):

@@ -116,4 +116,15 @@ def rank_log(state_dir: Path, job_id: str, attempt: int, rank: int) -> Path:
 
 
 def rank_log_name(rank: int) -> str:
+    """A rank's stdout (before the split of its streams, its stdout and stderr together)."""
     return f"rank-{rank}.log"
+
+
+def rank_err_name(rank: int) -> str:
+    """A rank's stderr: faulthandler's stack dumps and tracebacks go there."""
+    return f"rank-{rank}.err"
+
+
+def stderr_log(log: str) -> str:
+    """The stderr file beside the rank log `log` (``rank-<r>.log`` -> ``rank-<r>.err``)."""
+    return log.removesuffix(".log") + ".err"

@@ -88,6 +88,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                             Annotated[str, msgspec.Meta(max_length=MAX_ENVIRON_VALUE)]],
                        msgspec.Meta(max_length=MAX_ENVIRON)] | None = None
     export: Annotated[str, msgspec.Meta(max_length=MAX_EXPORT)] = ""  # ALL, NONE or the names, for display
+    # bytes of each rank log before it rotates; at most the daemon's rank_log_max (None: that)
+    log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | None = None
 
 
 class SpecError(ValueError):
