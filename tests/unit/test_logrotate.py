@@ -16,7 +16,6 @@ from ddpd.daemon.logrotate import (
     LINE_SEARCH,
     Plan,
     RotationError,
-    Throttle,
     line_start,
     open_live_log,
     plan,
@@ -60,16 +59,6 @@ def test_line_start_skips_a_partial_first_line() -> None:
     assert line_start(b"only the end\n") == 0  # nothing would be left after the cut
     assert line_start(b"") == 0
     assert line_start(b"x" * LINE_SEARCH + b"\nmore") == 0  # too far: keep the bytes as they are
-
-
-def test_throttle_allows_one_check_per_interval() -> None:
-    t = Throttle(1.0)
-    assert t.ready(100.0)
-    assert not t.ready(100.5)
-    assert not t.ready(100.999)
-    assert t.ready(101.0)
-    assert not t.ready(101.2)
-    assert t.ready(105.0)
 
 
 def test_a_log_within_the_limit_is_left_alone(tmp_path: Path) -> None:

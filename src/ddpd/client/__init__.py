@@ -34,6 +34,8 @@ from ddpd.protocol.control import (
     StacksResult,
     SubmitResult,
 )
+from ddpd.protocol.logquery import MAX_TAIL, QueryError, format_stamp, parse_rank_set, parse_since
+from ddpd.protocol.logquery import Stream as LogStream
 
 from .aio import AsyncClient, AsyncConnection, AsyncStream
 from .blocking import Client, Connection, Stream
@@ -42,6 +44,7 @@ from .wire import build_spec
 
 __all__ = [
     "BUILTIN_TASKS",
+    "MAX_TAIL",
     "AsyncClient",
     "AsyncConnection",
     "AsyncStream",
@@ -58,7 +61,9 @@ __all__ = [
     "JobState",
     "JobView",
     "LogChunk",
+    "LogStream",
     "ProtocolError",
+    "QueryError",
     "RankStacks",
     "RankState",
     "RankView",
@@ -75,4 +80,7 @@ __all__ = [
     "UnsafeSocket",
     "build_spec",
     "check_spec",
+    "format_stamp",
+    "parse_rank_set",
+    "parse_since",
 ]

@@ -16,8 +16,8 @@ and creating it with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink planted there is remov
 and a file recreated in between makes the rotation give up (the live log is then not truncated).
 The backup takes the live log's mode (and, for a daemon running as root, its owner).
 
-`plan` and `line_start` are the pure policy; `Throttle` says when to look again (at most once a
-second per rank); `rotate` is blocking (call it from a thread: `rotate_in_thread` does, on the
+`plan` and `line_start` are the pure policy (`logindex.tick` says when to look: every quarter
+second); `rotate` is blocking (call it from a thread: `rotate_in_thread` does, on the
 job-file limiter of `files`, with a bounded wait).
 """
 
@@ -79,20 +79,6 @@ def line_start(head: bytes) -> int:
     if cut < 0 or cut + 1 >= len(head):
         return 0
     return cut
-
-
-class Throttle:
-    """At most one check per `interval` seconds; time is passed in (a monotonic clock's reading)."""
-
-    def __init__(self, interval: float = 1.0) -> None:
-        self.interval = interval
-        self._last: float | None = None
-
-    def ready(self, now: float) -> bool:
-        if self._last is not None and now - self._last < self.interval:
-            return False
-        self._last = now
-        return True
 
 
 def open_live_log(path: StrPath) -> int:
