@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from ddpd.daemon.logindex import (
     MAX_ENTRIES,
     RECORD,
     Index,
     LiveStream,
+    RankLogs,
     decode,
     segments,
     tail_start,
@@ -143,4 +146,20 @@ def test_tick_thins_a_long_index_and_starts_over_when_the_job_truncates_its_log(
         assert list(decode((tmp_path / "rank-0.err.idx").read_bytes()).offsets) == [6]
     finally:
         stream.close()
+        os.close(writer)
+
+
+def test_rank_logs_close_their_fds_once_and_tick_no_more(tmp_path: Path) -> None:
+    stream, writer = _stream(tmp_path, "rank-1.log")
+    try:
+        logs = RankLogs([stream])
+        os.write(writer, b"x\n")
+        assert logs.tick_all(1.0, 1 << 30) == [] and len(stream.index) == 1
+        logs.close()
+        logs.close()
+        assert logs.tick_all(2.0, 1 << 30) == [] and logs.streams == []
+        for fd in (stream.fd, stream.index_fd):
+            with pytest.raises(OSError, match="Bad file descriptor"):
+                os.fstat(fd)
+    finally:
         os.close(writer)

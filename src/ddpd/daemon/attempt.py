@@ -178,9 +178,8 @@ class Attempt:
         finally:
             for h in self.handles:
                 h.channel.close()
-                for stream in h.logs:
-                    stream.close()
-                h.logs = []
+                if h.logs is not None:
+                    h.logs.close()
             rdzv.close()
         assert self.outcome is not None
         return self._finish_outcome(self.outcome)
@@ -227,10 +226,15 @@ class Attempt:
                 fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
                                                      self.number, r)
                 try:
-                    h = launcher.start(r, log_path, fds, self.gang.pgid)
-                    h.logs = await anyio.to_thread.run_sync(
+                    logs = await anyio.to_thread.run_sync(
                         live_streams, self.config.state_dir, self.identity, job.id, self.number,
                         [str(log_path), stderr_log(str(log_path))], list(fds))
+                    try:
+                        h = launcher.start(r, log_path, fds, self.gang.pgid)
+                    except BaseException:
+                        logs.close()
+                        raise
+                    h.logs = logs
                 finally:
                     for fd in fds:
                         os.close(fd)

@@ -26,6 +26,7 @@ import bisect
 import math
 import os
 import struct
+import threading
 from array import array
 from dataclasses import dataclass, field
 
@@ -167,6 +168,54 @@ class LiveStream:
     def close(self) -> None:
         for fd in (self.fd, self.index_fd):
             os.close(fd)
+
+
+class RankLogs:
+    """A rank's live streams and who may close their fds: a tick running in a thread that was no
+    longer waited for (cancelled, or stuck on a hung filesystem) still uses them, so `close` leaves
+    them to that thread, which closes them when it is done (never a closed fd reused meanwhile)."""
+
+    def __init__(self, streams: list[LiveStream]) -> None:
+        self.streams = streams
+        self._lock = threading.Lock()
+        self._busy = self._closed = False
+
+    def tick_all(self, now: float, max_bytes: int) -> list[tuple[LiveStream, logrotate.Rotated | OSError]]:
+        """`tick` on each stream (blocking): what rotated, and the streams that failed (dropped)."""
+        with self._lock:
+            if self._closed:
+                return []
+            self._busy = True
+        done: list[tuple[LiveStream, logrotate.Rotated | OSError]] = []
+        try:
+            for stream in list(self.streams):
+                try:
+                    rotated = tick(stream, now, max_bytes)
+                except OSError as exc:
+                    self.streams.remove(stream)
+                    stream.close()
+                    done.append((stream, exc))
+                    continue
+                if rotated is not None:
+                    done.append((stream, rotated))
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._closed:
+                    self._close()
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if not self._busy:
+                    self._close()
+
+    def _close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+        self.streams = []
 
 
 def tick(stream: LiveStream, now: float, max_bytes: int) -> logrotate.Rotated | None:

@@ -38,7 +38,7 @@ from .channel import WorkerChannel
 from .clock import Clock
 from .deadlines import RankClock
 from .journal import Journal
-from .logindex import LiveStream
+from .logindex import RankLogs
 from .outcome import Outcome
 from .records import Job, Rank
 
@@ -102,7 +102,7 @@ class RankHandle:
     last_progress_event: float = 0.0
     missed_reported: float | None = None
     asked: dict[int, StacksAsked] = field(default_factory=dict)  # AskStacks requests awaiting their answer
-    logs: list[LiveStream] = field(default_factory=list)  # the daemon's side of its stdout and stderr logs
+    logs: RankLogs | None = None  # the daemon's side of its stdout and stderr logs
 
     def fail(self, now: float) -> None:
         """Record the first sign of failure (its time ranks root causes)."""

@@ -19,8 +19,8 @@ import structlog
 from . import files
 from .identity import Identity
 from .journal import Journal
-from .logindex import TICK, LiveStream, index_path, tick
-from .logrotate import ROTATE_TIMEOUT, Rotated
+from .logindex import TICK, LiveStream, RankLogs, index_path
+from .logrotate import ROTATE_TIMEOUT
 from .ranks import RankHandle
 from .records import Job, rank_err_name, rank_log_name
 from .usertree import JOBS_DIR, create_user_file, ensure_base, ensure_dirs
@@ -48,7 +48,7 @@ def create_logs(state_dir: Path, identity: Identity, job_id: str, number: int, r
 
 
 def live_streams(state_dir: Path, identity: Identity, job_id: str, number: int, paths: list[str],
-                 fds: list[int]) -> list[LiveStream]:
+                 fds: list[int]) -> RankLogs:
     """The daemon's side of each log (`paths[i]` written through `fds[i]`): its own read-write fd and
     an index created beside it (blocking)."""
     streams: list[LiveStream] = []
@@ -66,7 +66,7 @@ def live_streams(state_dir: Path, identity: Identity, job_id: str, number: int, 
         for s in streams:
             s.close()
         raise
-    return streams
+    return RankLogs(streams)
 
 
 def reopen_rw(fd: int) -> int:
@@ -75,40 +75,24 @@ def reopen_rw(fd: int) -> int:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
-def tick_streams(streams: list[LiveStream], now: float, max_bytes: int) -> list[tuple[LiveStream, Rotated | OSError]]:
-    """`logindex.tick` on each stream (blocking): what rotated, and the streams that failed."""
-    done: list[tuple[LiveStream, Rotated | OSError]] = []
-    for stream in streams:
-        try:
-            rotated = tick(stream, now, max_bytes)
-        except OSError as exc:
-            done.append((stream, exc))
-            continue
-        if rotated is not None:
-            done.append((stream, rotated))
-    return done
-
-
 async def keep_logs(h: RankHandle, max_bytes: int, journal: Journal, job: Job) -> None:
     """Index and rotate the rank's logs every TICK until it has exited, then once more."""
-    while h.logs:
+    logs = h.logs
+    while logs is not None and logs.streams:
         with anyio.move_on_after(TICK):
             await h.exited.wait()
         last = h.exited.is_set()
-        streams = list(h.logs)
         with anyio.move_on_after(ROTATE_TIMEOUT) as waited:
-            results = await anyio.to_thread.run_sync(tick_streams, streams, time.time(), max_bytes,
+            results = await anyio.to_thread.run_sync(logs.tick_all, time.time(), max_bytes,
                                                      limiter=files._limit(), abandon_on_cancel=True)
-        if waited.cancelled_caught:  # a hung filesystem: the thread still holds the fds, left open
+        if waited.cancelled_caught:  # a hung filesystem: the thread closes the fds once it is done
             log.warning("rank.log_check_stuck", rank=h.rank.rank, seconds=ROTATE_TIMEOUT)
-            h.logs = []
+            logs.close()
             return
         for stream, result in results:
             name = "stderr" if stream.log.endswith(".err") else "stdout"
             if isinstance(result, OSError):
                 log.warning("rank.log_rotation_failed", rank=h.rank.rank, stream=name, error=str(result))
-                h.logs.remove(stream)
-                stream.close()
             else:
                 await journal.event(job, "rank.log_rotated", rank=h.rank.rank, stream=name, kept=result.kept,
                                     dropped=result.dropped)
