@@ -324,7 +324,7 @@ class ControlServer:
                 yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
             case Logs(job_id=job_id, rank=rank, ranks=ranks):
                 job = await self._detailed(job_id, uid, "logs")
-                for r in [rank] if rank is not None else ranks or []:
+                for r in ([] if rank is None else [rank]) + (ranks or []):
                     if not 0 <= r < job.spec.nproc:
                         raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {r}")
                 async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
