@@ -21,7 +21,7 @@ from ddpd.daemon.records import stderr_log
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
-from .test_cli import ddpctl, err, out
+from .test_cli import _read_until, _spawn, ddpctl, err, out
 
 pytestmark = pytest.mark.anyio
 
@@ -97,6 +97,12 @@ async def test_tail_since_streams_rank_sets_rotation_and_retention(short_tmp: Pa
             assert match is not None
             when = datetime.fromisoformat(match.group(1).replace("Z", "+00:00")).timestamp()
             assert (when <= cut) == match.group(2).startswith("A-"), (cut, format_stamp(cut), stamped)
+        follower = await _spawn(d, "logs", job_id, "-f", "--tail", "1", "--rank", "1", "--stream", "stderr")
+        try:  # following starts at the tail
+            assert await _read_until(follower, "B-err 1 2") == "B-err 1 2\n"
+        finally:
+            follower.kill()
+            await follower.wait()
         bad = await ddpctl(d, "logs", job_id, "--rank", "0,5")
         assert bad.returncode == 1 and "no rank 5" in err(bad)
         bad = await ddpctl(d, "logs", job_id, "--rank", "2-1")
