@@ -21,7 +21,7 @@ from ddpd.daemon.records import stderr_log
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
-from .test_cli import _read_until, _spawn, ddpctl, err, out
+from .test_cli import _finish, _read_until, _spawn, ddpctl, err, out
 
 pytestmark = pytest.mark.anyio
 
@@ -110,10 +110,18 @@ async def test_tail_since_streams_rank_sets_rotation_and_retention(short_tmp: Pa
         bad = await ddpctl(d, "logs", job_id, "--since", "yesterday")
         assert bad.returncode == 2 and "--since" in err(bad)
 
+        follower = await _spawn(d, "logs", job_id, "-f", "--rank", "0", "--stream", "stdout")
+        seen = await _read_until(follower, "B-out 0 2")
         gate2.touch()  # phase C: past the 64 KiB limit on both streams
         with anyio.fail_after(120):
             job = await d.client.wait(job_id)
         assert job.state == JobState.SUCCEEDED, job.root_cause
+        rc, rest, _ = await _finish(follower)  # it followed through the rotation to the job's end
+        followed = (seen + rest).splitlines()
+        assert rc == 0 and followed[:6] == [f"{p}-out 0 {i}" for p in "AB" for i in range(3)], followed[:8]
+        assert followed[-1] == "END-out 0", followed[-3:]
+        c_lines = [int(line[8:]) for line in followed[6:-1] if re.fullmatch(r"C-out 0 \d{5}", line)]
+        assert c_lines == sorted(set(c_lines)) and c_lines[-1] == 5999 and len(followed) - 7 - len(c_lines) <= 2
         for rank in (0, 1):
             for stream in ("out", "err"):
                 lines = await logs(d, job_id, "--rank", str(rank), "--stream", f"std{stream}")

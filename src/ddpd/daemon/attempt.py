@@ -227,7 +227,7 @@ class Attempt:
                                                      self.number, r)
                 try:
                     logs = await anyio.to_thread.run_sync(
-                        live_streams, self.config.state_dir, self.identity, job.id, self.number,
+                        live_streams, self.config.state_dir, self.identity, job, self.number,
                         [str(log_path), stderr_log(str(log_path))], list(fds))
                     try:
                         h = launcher.start(r, log_path, fds, self.gang.pgid)

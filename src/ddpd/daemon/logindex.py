@@ -8,6 +8,9 @@ the line, to within a tick; a line past the last entry (written since the last t
 with the time it is read. `--since` starts at the entry before the first one at or after the
 time (`since_offset`).
 
+Each rotation is also told to the daemon's readers (`Job.log_cuts`: which bytes of the live log
+the backup holds) before the live log is emptied, so a follower goes on in the backup where it was.
+
 Bounded: one entry per tick at most, MAX_ENTRIES per file (past that, every other older entry is
 dropped: old lines keep a coarser stamp), and a rotation moves the entries of the kept part to
 ``<log>.1.idx`` (offsets made relative to the backup) and starts the live index over.
@@ -31,6 +34,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from . import logrotate
+from .records import LogCut
 
 TICK = 0.25  # seconds between two size checks of a rank's logs: the resolution of a stamp
 RECORD = struct.Struct("<Qd")
@@ -162,6 +166,7 @@ class LiveStream:
     log: str
     fd: int
     index_fd: int
+    cuts: dict[str, LogCut] = field(default_factory=dict)  # where its rotations are told (Job.log_cuts)
     index: Index = field(default_factory=Index)
     size: int = 0
 
@@ -183,7 +188,7 @@ class RankLogs:
     def tick_all(self, now: float, max_bytes: int) -> list[tuple[LiveStream, logrotate.Rotated | OSError]]:
         """`tick` on each stream (blocking): what rotated, and the streams that failed (dropped)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._busy:  # closed, or a look left to finish on its own: no second one
                 return []
             self._busy = True
         done: list[tuple[LiveStream, logrotate.Rotated | OSError]] = []
@@ -230,7 +235,11 @@ def tick(stream: LiveStream, now: float, max_bytes: int) -> logrotate.Rotated | 
         if stream.index.add(size, now):
             os.write(stream.index_fd, RECORD.pack(size, now))
         stream.size = size
-    done = logrotate.rotate(stream.fd, max_bytes, backup_path(stream.log))
+    def cut(start: int, end: int) -> None:  # the backup is whole; the live log is emptied next
+        last = stream.cuts.get(stream.log)
+        stream.cuts[stream.log] = LogCut(1 if last is None else last.generation + 1, start, end)
+
+    done = logrotate.rotate(stream.fd, max_bytes, backup_path(stream.log), on_cut=cut)
     if done is not None:
         kept = stream.index.shifted(done.dropped, done.dropped + done.kept)
         if not kept or kept.offsets[-1] < done.kept:

@@ -11,8 +11,11 @@ source holds at most one read (LOG_CHUNK) in memory.
 `--tail N` starts each stream at its last N lines (read backwards at most TAIL_BYTES); with both
 streams, a first pass over those lines keeps the last N of the merged order. `--since T` starts each
 stream at the index entry before the first stamped at or after T and drops the runs stamped before.
-Following, a rotation of the live log (seen as a live log shorter than what was read) goes on at the
-live log's new start; lines written between the last read and the rotation may be missed.
+Each rotation is told in `Job.log_cuts` before the live log is emptied: a source that sees a new one
+after a read drops that read and goes on in the new backup at the bytes it had reached, so a
+follower misses nothing of a rotation unless it was more than one rotation behind (then it goes on
+at the backup's start). A live log emptied otherwise (by the job, or rotated by an earlier daemon)
+is seen as shorter than what was read, and read again from its start.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..protocol.control import LogChunk, Logs
 from ..protocol.limits import clip_text
 from .files import Opener, job_file_size, read_job_file
 from .logindex import MAX_INDEX_BYTES, RECORD, Index, backup_path, decode, index_path, segments, tail_start
-from .records import Job, stderr_log
+from .records import Job, LogCut, stderr_log
 
 LOG_CHUNK = 128 * 1024  # bytes of a log per read: even escaped 6-fold a chunk stays under the frame limit
 TAIL_BYTES = 16 << 20  # bytes of each stream a tail looks back at most
@@ -57,6 +60,8 @@ class Source:
     stream: str
     path: str  # the live log
     opener: Opener | None
+    cuts: dict[str, LogCut] = field(default_factory=dict)  # the job's log rotations (Job.log_cuts)
+    cut_generation: int = 0  # the rotation its backup is from
     pos: int = 0
     backup_size: int = 0
     backup_index: Index = field(default_factory=Index)
@@ -97,7 +102,9 @@ class Source:
         if self.pos < self.backup_size:
             data = await _read(backup_path(self.path), self.pos, min(LOG_CHUNK, self.backup_size - self.pos),
                                self.opener)
-            if not data:  # the backup shrank (a rotation meanwhile): go on with the live log
+            if await self._rotated(None):
+                return []
+            if not data:  # the backup shrank (a rotation by an earlier daemon?): go on with the live log
                 self.pos = self.backup_size
                 return []
             runs, used = segments(data, self.pos, self.backup_index, now, final=True)
@@ -105,6 +112,8 @@ class Source:
             return self._take(runs, self.pos, used)
         live = self.pos - self.backup_size
         data = await _read(self.path, live, LOG_CHUNK, self.opener)
+        if await self._rotated(live):  # what was read may be the emptied log's new start: read again
+            return []
         if not data:
             self.caught_up = True
             if live and await job_file_size(self.path, opener=self.opener) < live:
@@ -120,6 +129,23 @@ class Source:
         runs, used = segments(data, live, self.live_index, now, final=final or stale or endless)
         self.caught_up = len(data) < LOG_CHUNK
         return self._take(runs, self.pos, used)
+
+    async def _rotated(self, live: int | None) -> bool:
+        """After a read: if the log rotated since this source last looked, go on where the rotation
+        put what it had not read: in the new backup at the same bytes (`live`, its offset in the live
+        log), or at the backup's start when those bytes were dropped (it was reading the old backup,
+        or fell more than a rotation behind)."""
+        cut = self.cuts.get(self.path)
+        if cut is None or cut.generation == self.cut_generation:
+            return False
+        resume = 0
+        if live is not None and cut.generation == self.cut_generation + 1:
+            resume = min(max(live - cut.start, 0), cut.end - cut.start)
+        self.cut_generation = cut.generation
+        await self.open()
+        self.pos = min(resume, self.backup_size)
+        self.caught_up, self.last_read = False, (-1, -1)
+        return True
 
     def _take(self, runs: list[tuple[float, bytes]], start: int, used: int) -> list[Run]:
         out, pos = [], start
@@ -198,7 +224,9 @@ def sources(job: Job, attempt: int, ranks: Iterable[int], streams: Iterable[str]
         log = str(path_of(job, attempt, r))
         for stream in streams:
             path = log if stream == "stdout" else stderr_log(log)
-            out.append(Source(rank=r, stream=stream, path=path, opener=opener_of(path)))
+            cut = job.log_cuts.get(path)
+            out.append(Source(rank=r, stream=stream, path=path, opener=opener_of(path), cuts=job.log_cuts,
+                              cut_generation=0 if cut is None else cut.generation))
     return out
 
 

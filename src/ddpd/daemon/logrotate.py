@@ -4,8 +4,9 @@ A rank writes its log through its own stdout/stderr fd, opened with O_APPEND, so
 rename the file under it. When the live log exceeds the limit, its newest part (half the limit,
 starting at a line boundary where one is near) is copied to ``rank-<r>.log.1``, replacing an older
 one, and the live file is truncated in place: the rank's next write lands at the new end (offset 0).
-What a rank writes between the last size check and the truncation (microseconds) is lost, as with
-logrotate's copytruncate. On disk a rank then holds at most about 1.5 times the limit.
+What a rank writes between the last size check and the truncation (microseconds: the copy catches
+up with the rank a few times first, and the backup is synced after) is lost, as with logrotate's
+copytruncate. On disk a rank then holds at most about 1.5 times the limit.
 
 The live log is hostile ground: a job can replace its path by a FIFO, a symlink or another file.
 `rotate` works on an fd (opened once by the daemon with `open_live_log`, which is O_NOFOLLOW,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from . import files
 StrPath = str | os.PathLike[str]
 CHUNK = 1 << 20  # bytes copied per pread/write
 LINE_SEARCH = 64 * 1024  # how far into the kept part a line boundary is looked for
+CATCH_UP = 4  # copies of what the rank wrote meanwhile before the live log is emptied
 ROTATE_TIMEOUT = 10.0  # seconds a rotation may take off the loop before it is no longer waited for
 
 
@@ -97,21 +100,23 @@ def open_live_log(path: StrPath) -> int:
     return fd
 
 
-def rotate(log: int | StrPath, max_bytes: int, backup: StrPath | None = None) -> Rotated | None:
+def rotate(log: int | StrPath, max_bytes: int, backup: StrPath | None = None,
+           on_cut: Callable[[int, int], None] | None = None) -> Rotated | None:
     """Rotate the live log `log` (an fd the caller keeps, or a path) if it exceeds `max_bytes`.
 
     `backup` is the ``.1`` path; it defaults to the path with ``.1`` appended and is required with
-    an fd. Returns None when nothing was due; raises RotationError (or OSError) when the rotation
-    cannot be done safely, in which case the live log is left as it was.
+    an fd. `on_cut(start, end)` is called once the backup holds bytes [start, end) of the live log,
+    just before the live log is emptied. Returns None when nothing was due; raises RotationError
+    (or OSError) when the rotation cannot be done safely, in which case the live log is left as it was.
     """
     if isinstance(log, int):
         if backup is None:
             raise ValueError("rotating an fd needs the backup path")
-        return _rotate_fd(log, max_bytes, Path(backup), str(log))
+        return _rotate_fd(log, max_bytes, Path(backup), str(log), on_cut)
     fd = open_live_log(log)
     try:
         return _rotate_fd(fd, max_bytes, Path(backup if backup is not None else f"{os.fspath(log)}.1"),
-                          os.fspath(log))
+                          os.fspath(log), on_cut)
     finally:
         os.close(fd)
 
@@ -154,7 +159,8 @@ def _check_regular(fd: int, name: StrPath) -> os.stat_result:
     return st
 
 
-def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str) -> Rotated | None:
+def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str,
+               on_cut: Callable[[int, int], None] | None) -> Rotated | None:
     st = _check_regular(fd, name)
     due = plan(st.st_size, max_bytes)
     if due is None:
@@ -166,11 +172,16 @@ def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str) -> Rotated | No
         if os.geteuid() == 0:
             os.fchown(out, st.st_uid, st.st_gid)  # a system daemon: the backup is the rank owner's too
         end = _copy(fd, out, start, due.end)
-        grown = _check_regular(fd, name).st_size
-        if grown > end:  # what the rank wrote during the copy, up to another half limit
-            end = _copy(fd, out, end, min(grown, end + max(1, max_bytes // 2)))
+        limit = due.end + max(1, max_bytes // 2)
+        for _ in range(CATCH_UP):  # what the rank wrote during the copy, up to another half limit
+            grown = _check_regular(fd, name).st_size
+            if grown <= end or end >= limit:
+                break
+            end = _copy(fd, out, end, min(grown, limit))
+        if on_cut is not None:
+            on_cut(start, end)
+        os.ftruncate(fd, 0)  # at once: what the rank writes from the last size check to here is lost
         os.fsync(out)
-        os.ftruncate(fd, 0)
     finally:
         os.close(out)
     return Rotated(kept=end - start, dropped=start, backup=str(backup))

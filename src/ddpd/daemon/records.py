@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 
@@ -52,6 +53,15 @@ class Rank:
         )
 
 
+class LogCut(NamedTuple):
+    """The last rotation of a live rank log: its count, and the bytes [start, end) of the live log
+    that its ``.1`` now holds (see logindex: a follower goes on from there)."""
+
+    generation: int
+    start: int
+    end: int
+
+
 @dataclass
 class Job:
     id: str
@@ -72,6 +82,9 @@ class Job:
     cancel_requested: str | None = None  # why, once asked
     gpus: list[int] = field(default_factory=list)
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
+    # each live rank log's last rotation, by path: set by the log keeper's thread just before the
+    # live log is emptied (one dict item assignment), read by the daemon's log readers
+    log_cuts: dict[str, LogCut] = field(default_factory=dict)
 
     def view(self) -> JobView:
         now = time.monotonic()

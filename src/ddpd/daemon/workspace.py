@@ -47,21 +47,21 @@ def create_logs(state_dir: Path, identity: Identity, job_id: str, number: int, r
         raise
 
 
-def live_streams(state_dir: Path, identity: Identity, job_id: str, number: int, paths: list[str],
+def live_streams(state_dir: Path, identity: Identity, job: Job, number: int, paths: list[str],
                  fds: list[int]) -> RankLogs:
     """The daemon's side of each log (`paths[i]` written through `fds[i]`): its own read-write fd and
-    an index created beside it (blocking)."""
+    an index created beside it, its rotations told in `job.log_cuts` (blocking)."""
     streams: list[LiveStream] = []
     try:
         for path, fd in zip(paths, fds, strict=True):
             rw = reopen_rw(fd)
             try:
-                idx = create_user_file(state_dir, identity, JOBS_DIR, job_id, f"attempt-{number}",
+                idx = create_user_file(state_dir, identity, JOBS_DIR, job.id, f"attempt-{number}",
                                        name=Path(index_path(path)).name)
             except BaseException:
                 os.close(rw)
                 raise
-            streams.append(LiveStream(log=path, fd=rw, index_fd=idx))
+            streams.append(LiveStream(log=path, fd=rw, index_fd=idx, cuts=job.log_cuts))
     except BaseException:
         for s in streams:
             s.close()
@@ -76,25 +76,38 @@ def reopen_rw(fd: int) -> int:
 
 
 async def keep_logs(h: RankHandle, max_bytes: int, journal: Journal, job: Job) -> None:
-    """Index and rotate the rank's logs every TICK until it has exited, then once more."""
+    """Index and rotate the rank's logs every TICK until it has exited; then (also when cancelled: the
+    attempt ends as soon as its ranks have) one last look, shielded and bounded, so that the rank's
+    last lines are stamped and its logs are within their limit once the job has ended."""
     logs = h.logs
-    while logs is not None and logs.streams:
-        with anyio.move_on_after(TICK):
-            await h.exited.wait()
-        last = h.exited.is_set()
-        with anyio.move_on_after(ROTATE_TIMEOUT) as waited:
-            results = await anyio.to_thread.run_sync(logs.tick_all, time.time(), max_bytes,
-                                                     limiter=files._limit(), abandon_on_cancel=True)
-        if waited.cancelled_caught:  # a hung filesystem: the thread closes the fds once it is done
-            log.warning("rank.log_check_stuck", rank=h.rank.rank, seconds=ROTATE_TIMEOUT)
-            logs.close()
-            return
-        for stream, result in results:
-            name = "stderr" if stream.log.endswith(".err") else "stdout"
-            if isinstance(result, OSError):
-                log.warning("rank.log_rotation_failed", rank=h.rank.rank, stream=name, error=str(result))
-            else:
-                await journal.event(job, "rank.log_rotated", rank=h.rank.rank, stream=name, kept=result.kept,
-                                    dropped=result.dropped)
-        if last:
-            return
+    if logs is None:
+        return
+    try:
+        while logs.streams and not h.exited.is_set():
+            with anyio.move_on_after(TICK):
+                await h.exited.wait()
+            await _look(h, logs, max_bytes, journal, job)
+    finally:
+        with anyio.move_on_after(2 * ROTATE_TIMEOUT, shield=True):  # the look and its events
+            await _look(h, logs, max_bytes, journal, job)
+
+
+async def _look(h: RankHandle, logs: RankLogs, max_bytes: int, journal: Journal, job: Job) -> None:
+    """One look at the rank's logs, shielded (a rotation under way is never abandoned by a cancel) and
+    bounded (a hung filesystem is: the fds are then left to the thread to close)."""
+    if not logs.streams:
+        return
+    with anyio.move_on_after(ROTATE_TIMEOUT, shield=True) as waited:
+        results = await anyio.to_thread.run_sync(logs.tick_all, time.time(), max_bytes, limiter=files._limit(),
+                                                 abandon_on_cancel=True)
+    if waited.cancelled_caught:  # a hung filesystem: the thread closes the fds once it is done
+        log.warning("rank.log_check_stuck", rank=h.rank.rank, seconds=ROTATE_TIMEOUT)
+        logs.close()
+        return
+    for stream, result in results:
+        name = "stderr" if stream.log.endswith(".err") else "stdout"
+        if isinstance(result, OSError):
+            log.warning("rank.log_rotation_failed", rank=h.rank.rank, stream=name, error=str(result))
+        else:
+            await journal.event(job, "rank.log_rotated", rank=h.rank.rank, stream=name, kept=result.kept,
+                                dropped=result.dropped)
