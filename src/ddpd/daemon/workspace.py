@@ -88,26 +88,27 @@ async def keep_logs(h: RankHandle, max_bytes: int, journal: Journal, job: Job) -
                 await h.exited.wait()
             await _look(h, logs, max_bytes, journal, job)
     finally:
-        with anyio.move_on_after(2 * ROTATE_TIMEOUT, shield=True):  # the look and its events
-            await _look(h, logs, max_bytes, journal, job)
+        await _look(h, logs, max_bytes, journal, job)
 
 
 async def _look(h: RankHandle, logs: RankLogs, max_bytes: int, journal: Journal, job: Job) -> None:
-    """One look at the rank's logs, shielded (a rotation under way is never abandoned by a cancel) and
-    bounded (a hung filesystem is: the fds are then left to the thread to close)."""
+    """One look at the rank's logs and its events, shielded (a rotation under way is never abandoned
+    by a cancel, nor left untold) and bounded (a hung filesystem is: its fds are then left to the
+    thread to close)."""
     if not logs.streams:
         return
-    with anyio.move_on_after(ROTATE_TIMEOUT, shield=True) as waited:
-        results = await anyio.to_thread.run_sync(logs.tick_all, time.time(), max_bytes, limiter=files._limit(),
-                                                 abandon_on_cancel=True)
-    if waited.cancelled_caught:  # a hung filesystem: the thread closes the fds once it is done
-        log.warning("rank.log_check_stuck", rank=h.rank.rank, seconds=ROTATE_TIMEOUT)
-        logs.close()
-        return
-    for stream, result in results:
-        name = "stderr" if stream.log.endswith(".err") else "stdout"
-        if isinstance(result, OSError):
-            log.warning("rank.log_rotation_failed", rank=h.rank.rank, stream=name, error=str(result))
-        else:
-            await journal.event(job, "rank.log_rotated", rank=h.rank.rank, stream=name, kept=result.kept,
-                                dropped=result.dropped)
+    with anyio.CancelScope(shield=True):
+        with anyio.move_on_after(ROTATE_TIMEOUT) as waited:
+            results = await anyio.to_thread.run_sync(logs.tick_all, time.time(), max_bytes,
+                                                     limiter=files._limit(), abandon_on_cancel=True)
+        if waited.cancelled_caught:
+            log.warning("rank.log_check_stuck", rank=h.rank.rank, seconds=ROTATE_TIMEOUT)
+            logs.close()
+            return
+        for stream, result in results:
+            name = "stderr" if stream.log.endswith(".err") else "stdout"
+            if isinstance(result, OSError):
+                log.warning("rank.log_rotation_failed", rank=h.rank.rank, stream=name, error=str(result))
+            else:
+                await journal.event(job, "rank.log_rotated", rank=h.rank.rank, stream=name, kept=result.kept,
+                                    dropped=result.dropped)
