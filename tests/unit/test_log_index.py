@@ -20,7 +20,7 @@ from ddpd.daemon.logindex import (
     tail_start,
     tick,
 )
-from ddpd.daemon.logread import line_starts
+from ddpd.daemon.logseek import line_starts
 
 
 def index(*entries: tuple[int, float]) -> Index:

@@ -32,12 +32,11 @@ import anyio
 from ..protocol.control import LogChunk, Logs
 from ..protocol.limits import clip_text
 from .files import Opener, job_file_size, read_job_file
-from .logindex import MAX_INDEX_BYTES, RECORD, Index, backup_path, decode, index_path, segments, tail_start
+from .logindex import MAX_INDEX_BYTES, RECORD, Index, backup_path, decode, index_path, segments
+from .logseek import TAIL_BYTES, line_start, line_starts, read, tail_of
 from .records import Job, LogCut, stderr_log
 
 LOG_CHUNK = 128 * 1024  # bytes of a log per read: even escaped 6-fold a chunk stays under the frame limit
-TAIL_BYTES = 16 << 20  # bytes of each stream a tail looks back at most
-LINE_BACK = 64 * 1024  # bytes before a `since` offset searched for the start of its line
 FOLLOW_INTERVAL = 0.2
 ORDER = {"stdout": 0, "stderr": 1}
 
@@ -91,7 +90,7 @@ class Source:
             self.live_index, self.index_read = Index(), 0
         if size <= self.index_read:
             return
-        data = await _read(path, self.index_read, min(size - self.index_read, 2 * LOG_CHUNK), self.opener)
+        data = await read(path, self.index_read, min(size - self.index_read, 2 * LOG_CHUNK), self.opener)
         data = data[:len(data) // RECORD.size * RECORD.size]
         self.index_read += len(data)
         for offset, when in RECORD.iter_unpack(data):
@@ -100,7 +99,7 @@ class Source:
     async def read(self, now: float, final: bool) -> list[Run]:
         """The next runs (at most one read's worth); sets `caught_up` when the end was reached."""
         if self.pos < self.backup_size:
-            data = await _read(backup_path(self.path), self.pos, min(LOG_CHUNK, self.backup_size - self.pos),
+            data = await read(backup_path(self.path), self.pos, min(LOG_CHUNK, self.backup_size - self.pos),
                                self.opener)
             if await self._rotated(None):
                 return []
@@ -111,7 +110,7 @@ class Source:
             self.caught_up = False
             return self._take(runs, self.pos, used)
         live = self.pos - self.backup_size
-        data = await _read(self.path, live, LOG_CHUNK, self.opener)
+        data = await read(self.path, live, LOG_CHUNK, self.opener)
         if await self._rotated(live):  # what was read may be the emptied log's new start: read again
             return []
         if not data:
@@ -159,28 +158,21 @@ class Source:
     async def seek_tail(self, n: int) -> None:
         """Start at the last `n` lines (of the live log, then of the rotated part when it has fewer)."""
         live_size = await job_file_size(self.path, opener=self.opener)
-        offset, found = await _tail_of(self.path, live_size, n, self.opener)
+        offset, found = await tail_of(self.path, live_size, n, self.opener)
         if found >= n or offset > 0 or not self.backup_size:
             self.pos = self.backup_size + offset
             return
-        offset, _ = await _tail_of(backup_path(self.path), self.backup_size, n - found, self.opener)
+        offset, _ = await tail_of(backup_path(self.path), self.backup_size, n - found, self.opener)
         self.pos = offset
 
     async def seek_since(self, when: float) -> None:
         """Start where lines stamped at or after `when` may begin (never before where it is)."""
         if self.backup_index and self.backup_index.times[-1] >= when:
-            at = await _line_start(backup_path(self.path), self.backup_index.since_offset(when), self.opener)
+            at = await line_start(backup_path(self.path), self.backup_index.since_offset(when), self.opener)
         else:
             await self.refresh_index()
-            at = self.backup_size + await _line_start(self.path, self.live_index.since_offset(when), self.opener)
+            at = self.backup_size + await line_start(self.path, self.live_index.since_offset(when), self.opener)
         self.pos = max(self.pos, at)
-
-
-async def _read(path: str, offset: int, limit: int, opener: Opener | None) -> bytes:
-    try:
-        return await read_job_file(path, offset, limit, opener=opener)
-    except FileNotFoundError:
-        return b""
 
 
 async def _index(path: str, opener: Opener | None) -> Index:
@@ -189,32 +181,6 @@ async def _index(path: str, opener: Opener | None) -> Index:
         return decode(await read_job_file(path, 0, MAX_INDEX_BYTES, opener=opener))
     except OSError:
         return Index()
-
-
-async def _tail_of(path: str, size: int, n: int, opener: Opener | None) -> tuple[int, int]:
-    """Where the last `n` lines of a file of `size` bytes begin, and how many lines that is (fewer
-    than `n` when the file holds fewer, or TAIL_BYTES holds fewer)."""
-    window = min(size, 64 * 1024)
-    while True:
-        start = size - window
-        data = await _read(path, start, window, opener)
-        at = tail_start(data, n, at_start=start == 0)
-        if at is not None:
-            return start + at, min(n, data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0))
-        if start == 0 or window >= TAIL_BYTES:
-            cut = data.find(b"\n") + 1 if start else 0
-            return start + cut, data.count(b"\n", cut) + (1 if data and not data.endswith(b"\n") else 0)
-        window = min(size, window * 4, TAIL_BYTES)
-
-
-async def _line_start(path: str, offset: int, opener: Opener | None) -> int:
-    """The start of the line holding byte `offset - 1`'s successor: back to just after a newline."""
-    if offset <= 0:
-        return 0
-    back = max(0, offset - LINE_BACK)
-    data = await _read(path, back, offset - back, opener)
-    nl = data.rfind(b"\n")
-    return back + nl + 1 if nl >= 0 or back == 0 else offset
 
 
 def sources(job: Job, attempt: int, ranks: Iterable[int], streams: Iterable[str], path_of: PathOf,
@@ -248,16 +214,6 @@ async def keep_last(group: list[Source], n: int) -> None:
     kept = lines[-n:] if n else []
     for order, src in enumerate(group):
         src.pos = min((pos for _, o, pos in kept if o == order), default=ends[order])
-
-
-def line_starts(data: bytes, base: int) -> list[int]:
-    """The offsets at which the lines of `data` (from offset `base`) start."""
-    starts, at = [], 0
-    while at < len(data):
-        starts.append(base + at)
-        nl = data.find(b"\n", at)
-        at = len(data) if nl < 0 else nl + 1
-    return starts
 
 
 async def log_chunks_of(job: Job, req: Logs, path_of: PathOf, opener_of: OpenerOf) -> AsyncIterator[LogChunk]:
