@@ -33,7 +33,7 @@ from ..protocol.control import LogChunk, Logs
 from ..protocol.limits import clip_text
 from .files import Opener, job_file_size, read_job_file
 from .logindex import MAX_INDEX_BYTES, RECORD, Index, backup_path, decode, index_path, segments
-from .logseek import TAIL_BYTES, line_start, line_starts, read, tail_of
+from .logseek import TAIL_BYTES, line_start, line_starts, read_bytes, tail_of
 from .records import Job, LogCut, stderr_log
 
 LOG_CHUNK = 128 * 1024  # bytes of a log per read: even escaped 6-fold a chunk stays under the frame limit
@@ -90,7 +90,7 @@ class Source:
             self.live_index, self.index_read = Index(), 0
         if size <= self.index_read:
             return
-        data = await read(path, self.index_read, min(size - self.index_read, 2 * LOG_CHUNK), self.opener)
+        data = await read_bytes(path, self.index_read, min(size - self.index_read, 2 * LOG_CHUNK), self.opener)
         data = data[:len(data) // RECORD.size * RECORD.size]
         self.index_read += len(data)
         for offset, when in RECORD.iter_unpack(data):
@@ -99,8 +99,8 @@ class Source:
     async def read(self, now: float, final: bool) -> list[Run]:
         """The next runs (at most one read's worth); sets `caught_up` when the end was reached."""
         if self.pos < self.backup_size:
-            data = await read(backup_path(self.path), self.pos, min(LOG_CHUNK, self.backup_size - self.pos),
-                               self.opener)
+            data = await read_bytes(backup_path(self.path), self.pos,
+                                    min(LOG_CHUNK, self.backup_size - self.pos), self.opener)
             if await self._rotated(None):
                 return []
             if not data:  # the backup shrank (a rotation by an earlier daemon?): go on with the live log
@@ -110,7 +110,7 @@ class Source:
             self.caught_up = False
             return self._take(runs, self.pos, used)
         live = self.pos - self.backup_size
-        data = await read(self.path, live, LOG_CHUNK, self.opener)
+        data = await read_bytes(self.path, live, LOG_CHUNK, self.opener)
         if await self._rotated(live):  # what was read may be the emptied log's new start: read again
             return []
         if not data:
@@ -209,7 +209,7 @@ async def keep_last(group: list[Source], n: int) -> None:
             if src.caught_up or src.pos - start >= TAIL_BYTES:
                 break
         ends[order] = src.pos
-        src.pos, src.caught_up, src.last_stamp = start, False, 0.0
+        src.pos, src.caught_up, src.last_stamp, src.last_read = start, False, 0.0, (-1, -1)
     lines.sort(key=lambda x: (x[0], x[1]))
     kept = lines[-n:] if n else []
     for order, src in enumerate(group):

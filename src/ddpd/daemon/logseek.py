@@ -1,6 +1,6 @@
 """Where a `logs` query starts in one log file: the start of its last N lines (`tail_of`, read
 backwards at most TAIL_BYTES), the start of the line around an offset (`line_start`), and the
-safe read both use (`read`: through `files.read_job_file`, a missing file reads as empty).
+safe read both use (`read_bytes`: through `files.read_job_file`, a missing file reads as empty).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ TAIL_BYTES = 16 << 20  # bytes of each stream a tail looks back at most
 LINE_BACK = 64 * 1024  # bytes before a `since` offset searched for the start of its line
 
 
-async def read(path: str, offset: int, limit: int, opener: Opener | None) -> bytes:
+async def read_bytes(path: str, offset: int, limit: int, opener: Opener | None) -> bytes:
     """At most `limit` bytes of a job's file from `offset`; nothing when the file is missing."""
     try:
         return await read_job_file(path, offset, limit, opener=opener)
@@ -26,7 +26,7 @@ async def tail_of(path: str, size: int, n: int, opener: Opener | None) -> tuple[
     window = min(size, 64 * 1024)
     while True:
         start = size - window
-        data = await read(path, start, window, opener)
+        data = await read_bytes(path, start, window, opener)
         at = tail_start(data, n, at_start=start == 0)
         if at is not None:
             return start + at, min(n, data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0))
@@ -42,7 +42,7 @@ async def line_start(path: str, offset: int, opener: Opener | None) -> int:
     if offset <= 0:
         return 0
     back = max(0, offset - LINE_BACK)
-    data = await read(path, back, offset - back, opener)
+    data = await read_bytes(path, back, offset - back, opener)
     nl = data.rfind(b"\n")
     return back + nl + 1 if nl >= 0 or back == 0 else offset
 
