@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import anyio
 import pytest
 
 from ddpd.daemon.logrotate import (
@@ -20,7 +19,6 @@ from ddpd.daemon.logrotate import (
     open_live_log,
     plan,
     rotate,
-    rotate_in_thread,
 )
 
 from ..conftest import assert_gone
@@ -176,16 +174,3 @@ def test_rotating_an_fd_needs_the_backup_path(tmp_path: Path) -> None:
             rotate(fd, 5)
     finally:
         os.close(fd)
-
-
-@pytest.mark.anyio
-async def test_rotate_in_thread_runs_off_the_loop(tmp_path: Path) -> None:
-    log = tmp_path / "rank-3.log"
-    log.write_bytes(b"w\n" * 300)
-    fd = open_live_log(log)
-    try:
-        with anyio.fail_after(10):
-            done = await rotate_in_thread(fd, 200, tmp_path / "rank-3.log.1")
-    finally:
-        os.close(fd)
-    assert done is not None and done.kept == 100 and log.stat().st_size == 0

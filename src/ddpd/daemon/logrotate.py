@@ -17,9 +17,9 @@ and creating it with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink planted there is remov
 and a file recreated in between makes the rotation give up (the live log is then not truncated).
 The backup takes the live log's mode (and, for a daemon running as root, its owner).
 
-`plan` and `line_start` are the pure policy (`logindex.tick` says when to look: every quarter
-second); `rotate` is blocking (call it from a thread: `rotate_in_thread` does, on the
-job-file limiter of `files`, with a bounded wait).
+`plan` and `line_start` are the pure policy; `rotate` is blocking: `logindex.tick` calls it, every
+quarter second, from the thread of `workspace.keep_logs` (on the job-file limiter of `files`, with a
+bounded wait).
 """
 
 from __future__ import annotations
@@ -30,11 +30,6 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import anyio
-import anyio.to_thread
-
-from . import files
 
 StrPath = str | os.PathLike[str]
 CHUNK = 1 << 20  # bytes copied per pread/write
@@ -119,16 +114,6 @@ def rotate(log: int | StrPath, max_bytes: int, backup: StrPath | None = None,
                           os.fspath(log), on_cut)
     finally:
         os.close(fd)
-
-
-async def rotate_in_thread(fd: int, max_bytes: int, backup: StrPath,
-                           timeout: float = ROTATE_TIMEOUT) -> Rotated | None:
-    """`rotate` off the loop on the job-file limiter of `files`, waited for at most `timeout` seconds
-    (after that None: the thread finishes on its own and the next check tries again)."""
-    with anyio.move_on_after(timeout):
-        return await anyio.to_thread.run_sync(rotate, fd, max_bytes, backup, limiter=files._limit(),
-                                              abandon_on_cancel=True)
-    return None
 
 
 def size_of_live(fd: int, name: StrPath) -> int:
