@@ -15,7 +15,21 @@ from typing import Any, TypeVar
 
 import click
 
-from ddpd.client import AsyncClient, Client, DaemonUnavailable, ErrorCode, JobState, JobView, RemoteError, SpecError
+from ddpd.client import (
+    MAX_TAIL,
+    AsyncClient,
+    Client,
+    DaemonUnavailable,
+    ErrorCode,
+    JobState,
+    JobView,
+    LogStream,
+    QueryError,
+    RemoteError,
+    SpecError,
+    parse_rank_set,
+    parse_since,
+)
 
 from . import curves, render
 from .completion import SHELLS, complete_job_ids, completion_script
@@ -270,21 +284,39 @@ def remove(job_id: str, socket_path: Path | None) -> None:
 
 @cli.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("--rank", type=int, default=None, help="Only this rank [default: all, each line prefixed].")
+@click.option("--rank", "rank_set", default=None, metavar="RANKS",
+              help="Only these ranks: 0, 0,2-3 [default: all, each line prefixed unless one rank].")
 @click.option("--attempt", type=int, default=None, help="This attempt [default: the daemon's choice].")
 @click.option("-f", "--follow", is_flag=True, help="Keep following until the job ends.")
+@click.option("--tail", type=click.IntRange(0, MAX_TAIL), default=None, metavar="N",
+              help="Only the last N lines of each rank (then follow, with -f).")
+@click.option("--since", default=None, metavar="WHEN",
+              help="Only lines received since WHEN: 30s, 10m, 2h, 1d ago, or an ISO-8601 time.")
+@click.option("--stream", type=click.Choice(["stdout", "stderr", "both"]), default="both", show_default=True,
+              help="Which output of the ranks (kept apart on disk; both: merged by the time received).")
+@click.option("-t", "--timestamps", is_flag=True, help="Prefix each line with the time the daemon received it (UTC).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix lines with their rank.")
-@_text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text}).")
+@_text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text, stream, time}).")
 @_socket_option
-def logs(job_id: str, rank: int | None, attempt: int | None, follow: bool, no_prefix: bool, output: str,
-         socket_path: Path | None) -> None:
-    """Print the logs of JOB as they are (stdout and stderr of its ranks)."""
-    with _client(socket_path).logs(job_id, rank=rank, attempt=attempt, follow=follow) as chunks:
+def logs(job_id: str, rank_set: str | None, attempt: int | None, follow: bool, tail: int | None, since: str | None,
+         stream: LogStream, timestamps: bool, no_prefix: bool, output: str, socket_path: Path | None) -> None:
+    """Print the logs of JOB (stdout and stderr of its ranks, by the time the daemon received them)."""
+    try:
+        ranks = parse_rank_set(rank_set) if rank_set is not None else None
+    except QueryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--rank") from None
+    try:
+        start = parse_since(since, time.time()) if since is not None else None
+    except QueryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from None
+    with _client(socket_path).logs(job_id, attempt=attempt, follow=follow, ranks=ranks, stream=stream, tail=tail,
+                                   since=start) as chunks:
         if output == "json":
             for chunk in chunks:
                 print_json(chunk)
             return
-        writer = LogWriter(prefix=rank is None and not no_prefix)
+        one = ranks is not None and len(ranks) == 1
+        writer = LogWriter(prefix=not one and not no_prefix, timestamps=timestamps)
         try:
             for chunk in chunks:
                 writer.write(chunk)

@@ -36,7 +36,7 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
-          "checkpoint_every", "priority", "cpus")
+          "checkpoint_every", "priority", "cpus", "log_max")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
 
@@ -102,6 +102,8 @@ _OPTIONS: list[Callable[[F], F]] = [
     click.option("--cpus", type=float, default=None, metavar="N",
                  help="CPU limit of the job's cgroup (1.5 = one and a half cores), where the daemon has the cpu "
                  "controller."),
+    click.option("--log-max", "log_max", type=int, default=None, metavar="BYTES",
+                 help="Rotate each rank log past this size, keeping the newest [default and most: the daemon's]."),
     click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank."),
     click.option(
         "--workdir",

@@ -38,6 +38,8 @@ from ddpd.protocol.control import (
     StacksResult,
     SubmitResult,
 )
+from ddpd.protocol.logquery import MAX_TAIL, QueryError, format_stamp, parse_rank_set, parse_since
+from ddpd.protocol.logquery import Stream as LogStream
 
 from .aio import AsyncClient, AsyncConnection, AsyncStream
 from .blocking import Client, Connection, Stream
@@ -46,6 +48,7 @@ from .wire import build_spec
 
 __all__ = [
     "BUILTIN_TASKS",
+    "MAX_TAIL",
     "AsyncClient",
     "AsyncConnection",
     "AsyncStream",
@@ -65,7 +68,9 @@ __all__ = [
     "JobState",
     "JobView",
     "LogChunk",
+    "LogStream",
     "ProtocolError",
+    "QueryError",
     "RankGpu",
     "RankStacks",
     "RankState",
@@ -83,4 +88,7 @@ __all__ = [
     "UnsafeSocket",
     "build_spec",
     "check_spec",
+    "format_stamp",
+    "parse_rank_set",
+    "parse_since",
 ]

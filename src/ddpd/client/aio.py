@@ -50,6 +50,7 @@ from ddpd.protocol.control import (
     SubmitResult,
     Wait,
 )
+from ddpd.protocol.logquery import Stream as LogStream
 from ddpd.protocol.paths import UnsafeSocketDir, client_socket_path
 
 from .errors import ConnectionLost, ProtocolError, UnsafeSocket, unreachable
@@ -300,10 +301,14 @@ class AsyncClient:
         return convert(await self._call(lambda i: Wait(id=i, job_id=job_id)), JobView)
 
     def logs(
-        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False
+        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False, *,
+        ranks: list[int] | None = None, stream: LogStream = "both", tail: int | None = None, since: float | None = None,
     ) -> AsyncStream[LogChunk]:
+        """Rank logs: `rank` or the rank set `ranks`, `stream` stdout|stderr|both, the last `tail` lines
+        of each rank, lines received at or after `since` (seconds since the epoch)."""
         return AsyncStream(
-            self, lambda i: Logs(id=i, job_id=job_id, rank=rank, attempt=attempt, follow=follow), LogChunk
+            self, lambda i: Logs(id=i, job_id=job_id, rank=rank, attempt=attempt, follow=follow, ranks=ranks,
+                                 stream=stream, tail=tail, since=since), LogChunk
         )
 
     def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> AsyncStream[EventView]:

@@ -29,6 +29,7 @@ from ddpd.protocol.control import (
     StacksResult,
     SubmitResult,
 )
+from ddpd.protocol.logquery import Stream as LogStream
 
 from .aio import AsyncClient, AsyncConnection
 from .wire import RawRequest
@@ -229,9 +230,12 @@ class Client:
         return _once(lambda: self.aio.wait(job_id))
 
     def logs(
-        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False
+        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False, *,
+        ranks: list[int] | None = None, stream: LogStream = "both", tail: int | None = None,
+        since: float | None = None,
     ) -> Stream[LogChunk]:
-        return Stream(self.aio.logs(job_id, rank, attempt, follow))
+        return Stream(self.aio.logs(job_id, rank, attempt, follow, ranks=ranks, stream=stream, tail=tail,
+                                    since=since))
 
     def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> Stream[EventView]:
         return Stream(self.aio.events(job_id, follow, since))

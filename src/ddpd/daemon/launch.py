@@ -39,7 +39,7 @@ from .identity import Identity, job_environment
 from .pool import WarmPool, end_cgroup
 from .poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
 from .ranks import RankHandle
-from .records import Job, Rank
+from .records import Job, Rank, stderr_log
 from .rendezvous import Rendezvous
 
 TAKE_OVER_WAIT = 5.0  # seconds for a pooled worker's own cgroup to empty once its processes moved
@@ -146,11 +146,12 @@ class Launcher:
             return (self.job.spec.python, "-m", "ddpd.worker")
         return self.config.worker_command or (sys.executable, "-m", "ddpd.worker")
 
-    def start(self, rank: int, log_path: Path, log_fd: int, pgid: int | None) -> RankHandle:
+    def start(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
         """Rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
 
-        `log_fd` becomes a cold rank's stdout and stderr (the caller closes it); a pooled rank
-        appends to `log_path` itself. `pgid` None: the rank leads the attempt's new process group.
+        `log_fds` become a cold rank's stdout and stderr (the caller closes them); a pooled rank
+        appends to `log_path` and the stderr file beside it itself. `pgid` None: the rank leads the
+        attempt's new process group.
         Raises OSError when a cold start (or the cgroup placement of a pooled one) fails.
         """
         taken = None
@@ -180,8 +181,8 @@ class Launcher:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [*self.argv_prefix(), *worker_args(child_end.fileno(), os.getpid())]
         try:
-            proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fd,
-                               pass_fds=[child_end.fileno()], process_group=pgid or 0,
+            proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fds[0],
+                               err_fd=log_fds[1], pass_fds=[child_end.fileno()], process_group=pgid or 0,
                                identity=self.run_as, place=self.place)
         except OSError:
             parent_end.close()
@@ -216,4 +217,5 @@ class Launcher:
             join_timeout=self.join_timeout,
             checkpoint_dir=str(self.checkpoint_dir),
             pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "", unset=unset,
+            err_path=stderr_log(rank.log or "") if h.pooled and rank.log else "",
         )

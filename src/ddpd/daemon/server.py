@@ -338,10 +338,11 @@ class ControlServer:
                 job = await self._job(job_id)
                 await job.finished.wait()
                 yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
-            case Logs(job_id=job_id, rank=rank):
+            case Logs(job_id=job_id, rank=rank, ranks=ranks):
                 job = await self._detailed(job_id, uid, "logs")
-                if rank is not None and not 0 <= rank < job.spec.nproc:
-                    raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
+                for r in ([] if rank is None else [rank]) + (ranks or []):
+                    if not 0 <= r < job.spec.nproc:
+                        raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {r}")
                 async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)

@@ -7,10 +7,11 @@ frame limit by it (pages of `list`, clipped texts).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .logquery import MAX_TAIL
 from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
 
 LIST_LIMIT = 500  # jobs in one page of `list` at most (a page also ends before the frame limit)
@@ -65,10 +66,19 @@ class Wait(_Req, tag="wait"):
 
 
 class Logs(_Req, tag="logs"):
+    """A job's rank logs: `rank` or the rank set `ranks` (None: all), `stream` (stdout, stderr or
+    both, ordered by stamp), the last `tail` lines of each rank and/or lines stamped at or after
+    `since` (seconds since the epoch); see protocol.logquery and docs/logs.md."""
+
     job_id: JobId
     rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)] | None = None
     attempt: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None = None
     follow: bool = False
+    ranks: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)]],
+                     msgspec.Meta(min_length=1, max_length=MAX_NPROC)] | None = None
+    stream: Literal["stdout", "stderr", "both"] = "both"
+    tail: Annotated[int, msgspec.Meta(ge=0, le=MAX_TAIL)] | None = None
+    since: Annotated[float, msgspec.Meta(ge=0, le=1e11)] | None = None
 
 
 class Events(_Req, tag="events"):
@@ -250,6 +260,8 @@ class LogChunk(msgspec.Struct, omit_defaults=True):
     attempt: int
     text: str
     error: str | None = None
+    stream: str | None = None  # "stdout" or "stderr" (None: from a daemon that kept them together)
+    time: float | None = None  # when the daemon received these lines (seconds since the epoch)
 
 
 class SubmitResult(msgspec.Struct):

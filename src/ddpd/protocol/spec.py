@@ -101,6 +101,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # reported as unavailable (event job.limits) where it has not
     memory: Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)] | None = None  # bytes
     cpus: Annotated[float, msgspec.Meta(gt=0, le=MAX_CPUS)] | None = None
+    # bytes of each rank log before it rotates; at most the daemon's rank_log_max (None: that)
+    log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | None = None
 
 
 class SpecError(ValueError):
