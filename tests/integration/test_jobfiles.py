@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import anyio
+import click
 import pytest
+
+from ddpd.cli.commands import submit
 
 from ..conftest import REPO, DaemonProc, running_daemon
 from ..scripts.helpers import gated
@@ -26,7 +30,8 @@ pytestmark = pytest.mark.anyio
 FLAGS = ["--task", "two-layer", "--nproc", "2", "--name", "every-key", "--backend", "gloo", "--device", "cpu",
          "--gpus-per-rank", "0", "--steps", "3", "--seed", "7", "--join-timeout", "30", "--heartbeat-timeout", "20",
          "--progress-timeout", "25", "--wall-time", "600", "--kill-grace", "2", "--stop-warning", "5",
-         "--max-restarts", "1", "--checkpoint-every", "2", "--priority", "1", "--env", "A=1", "--env", "B=two",
+         "--max-restarts", "1", "--checkpoint-every", "2", "--priority", "1", "--mem", "512M", "--cpus", "1.5",
+         "--log-max", "131072", "--env", "A=1", "--env", "B=two",
          "--workdir", str(REPO), "--python", sys.executable, "--export", "PATH,HOME", "--option", "lr=0.5",
          "--option", "tag=x"]
 FILE = f"""
@@ -47,6 +52,9 @@ stop-warning = 5
 max-restarts = 1
 checkpoint_every = 2
 priority = 1
+mem = "512M"
+cpus = 1.5
+log-max = 131072
 workdir = "{REPO}"
 python = "{sys.executable}"
 export = "PATH,HOME"
@@ -67,6 +75,17 @@ script = "tests.scripts.show_env"
 args = ["--steps", "1"]
 {after}
 """
+
+
+def test_the_every_key_job_file_names_every_submit_option() -> None:
+    """A submit option added later must be added to FLAGS and FILE above, or this fails."""
+    keys = {*tomllib.loads(FILE.format(after='after = ["j1"]')), *tomllib.loads(MODULE_FILE.format(after=""))}
+    covered = {key.replace("-", "_") for key in keys}
+    options = {param.opts[-1].lstrip("-").replace("-", "_") for param in submit.params
+               if isinstance(param, click.Option)} - {"file", "idempotency_key", "socket"}
+    assert options - covered == set()
+    flags = {arg.lstrip("-").replace("-", "_") for arg in FLAGS if arg.startswith("--")} | {"after", "module"}
+    assert options - flags - {"follow"} == set()
 
 
 async def status_json(d: DaemonProc, job: str) -> dict[str, Any]:
