@@ -59,6 +59,7 @@ async def a_job_runs(journal: Journal) -> Job:
 
 async def test_a_terminal_gets_one_line_per_state_change(journal: Journal) -> None:
     out = io.StringIO()
+    configure_logging("info", "human", stream=io.StringIO())  # warnings held from before (another test's config)
     configure_logging("info", "human", stream=out)
     await a_job_runs(journal)
     lines = out.getvalue().splitlines()
