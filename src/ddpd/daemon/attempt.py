@@ -41,6 +41,8 @@ from .gpus import nccl_env
 from .identity import Identity, UnknownUser
 from .journal import Journal
 from .launch import Launcher
+from .multinode import settle, watch_nodes
+from .nodes import NodeLayout, NodeSession
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
@@ -63,8 +65,11 @@ def boot_ticks() -> int:
 
 class Attempt:
     def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
-                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None) -> None:
+                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None,
+                 nodes: NodeSession | None = None) -> None:
         self.config = config
+        self.nodes = nodes  # a multi-node job's session (its rendezvous across nodes); None: one node
+        self.layout: NodeLayout | None = None
         self.subtree = subtree  # the daemon's cgroup subtree: each attempt gets a cgroup of its own there
         self.pool = pool  # the daemon's warm pool, None when it keeps none
         self.journal = journal
@@ -153,21 +158,29 @@ class Attempt:
             return Outcome(JobState.FAILED, "spawn_failed", RootCause(reason="spawn_failed", attempt=self.number,
                                                                       detail=str(exc)))
         try:
-            rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
+            if self.nodes is not None:
+                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc)
+            else:
+                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
         except RendezvousError as exc:
             return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
         job.store_port = rdzv.port
-        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port)
+        lay = self.layout
+        nodes: dict[str, Any] = {} if lay is None else {"node_rank": lay.node_rank, "nnodes": lay.nnodes,
+                                                        "world_size": lay.world_size}
+        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port, **nodes)
         launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
                                              self.limits.join, self.clock, self.pool,
                                              defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {},
                                              identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
-                                             checkpoint_dir=self.checkpoint_dir)
+                                             checkpoint_dir=self.checkpoint_dir, layout=self.layout)
         try:
             async with anyio.create_task_group() as tg:
                 try:
                     await self._launch(tg, launcher)
                     tg.start_soon(self._timers)
+                    if self.nodes is not None:
+                        tg.start_soon(watch_nodes, self.nodes, self)
                     await self._concluded.wait()
                 finally:
                     with anyio.CancelScope(shield=True):
@@ -183,7 +196,11 @@ class Attempt:
                     h.log_fd = None
             rdzv.close()
         assert self.outcome is not None
-        return self._finish_outcome(self.outcome)
+        outcome = self._finish_outcome(self.outcome)
+        if self.nodes is not None:
+            with anyio.CancelScope(shield=True):
+                outcome = await settle(self.nodes, outcome, self.number, self.clock)
+        return outcome
 
     def _finish_outcome(self, outcome: Outcome) -> Outcome:
         if outcome.state is JobState.FAILED and outcome.root_cause is None:
@@ -219,15 +236,17 @@ class Attempt:
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)
-        for r in range(job.spec.nproc):
+        offset = 0 if self.layout is None else self.layout.offset  # global ranks of a multi-node job
+        for local in range(job.spec.nproc):
             if self.outcome is not None:
                 return
+            r = offset + local
             log_path = self.dir / rank_log_name(r)
             try:
                 log_fd = await anyio.to_thread.run_sync(create_log, self.config.state_dir, self.identity, job.id,
                                                         self.number, r)
                 try:
-                    h = launcher.start(r, log_path, log_fd, self.gang.pgid)
+                    h = launcher.start(local, log_path, log_fd, self.gang.pgid)
                     if not h.pooled:  # a pooled rank appends to a log it creates itself: not rotated
                         h.log_fd = reopen_rw(log_fd)
                 finally:

@@ -13,6 +13,7 @@ import anyio
 
 from ..protocol import JobSpec, JobState, RankState
 from ..protocol.control import JobView, RankView, RootCause
+from ..protocol.nodes import NodeView
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Job:
     cancel_requested: str | None = None  # why, once asked
     gpus: list[int] = field(default_factory=list)
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
+    nodes: list[NodeView] = field(default_factory=list)  # a multi-node job's nodes, as this daemon knows them
 
     def view(self) -> JobView:
         now = time.monotonic()
@@ -89,6 +91,7 @@ class Job:
             root_cause=self.root_cause,
             ranks=[r.view(now) for r in self.ranks],
             store_port=self.store_port,
+            nodes=list(self.nodes),
         )
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from .nodes import NodeView
 from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
 
 LIST_LIMIT = 500  # jobs in one page of `list` at most (a page also ends before the frame limit)
@@ -192,6 +193,7 @@ class JobView(msgspec.Struct, omit_defaults=False):
     root_cause: RootCause | None = None
     ranks: list[RankView] = msgspec.field(default_factory=list)
     store_port: int | None = None
+    nodes: list[NodeView] = msgspec.field(default_factory=list)  # a multi-node job's nodes (protocol.nodes)
 
 
 class EventView(msgspec.Struct, omit_defaults=True):

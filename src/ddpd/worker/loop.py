@@ -106,6 +106,8 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     model = task.model.to(device)
     optimizer = (task.optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
     start = load_checkpoint(assign.checkpoint_dir, model, optimizer, device)
+    if assign.world_size != assign.local_world_size:  # across nodes: global rank 0's checkpoint decides
+        start = agreed_start(start, device if dist.get_backend() == "nccl" else torch.device("cpu"))
     saved = start
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = task.forward or default_forward
@@ -231,9 +233,19 @@ class StopVote:
         return bool(stop)
 
 
+def agreed_start(start: int, device: Any) -> int:
+    """The step every rank resumes from: global rank 0's. Each node's local rank 0 keeps a checkpoint
+    in its own daemon's directory; a node that joined later has none (or an older one), and DDP's
+    constructor gives it rank 0's parameters."""
+    value = torch.tensor([start], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=0)
+    return int(value.item())
+
+
 def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, step: int) -> int:
-    """Rank 0 writes the checkpoint (if the attempt has a checkpoint directory) and reports it."""
-    if assign.rank == 0 and assign.checkpoint_dir:
+    """Each node's local rank 0 writes the checkpoint (if the attempt has a checkpoint directory: its
+    daemon's, so every node can resume) and reports it; on one node that is rank 0."""
+    if assign.local_rank == 0 and assign.checkpoint_dir:
         path = save_checkpoint(assign.checkpoint_dir, model, optimizer, step)
         runtime.send(Checkpointed(step=step, path=path))
     return step

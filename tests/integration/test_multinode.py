@@ -1,0 +1,131 @@
+"""Multi-node jobs: two daemons on this machine as two nodes, each in a network namespace of its own.
+
+The nodes are joined by a veth pair (10.77.0.1 and 10.77.0.2, see netns); each daemon has its own
+socket and state directory and runs under `ip netns exec`. The daemon of node a serves the
+rendezvous (the endpoint is its address). Every test proves afterwards that nothing of its jobs is
+left on either node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from ddpd.protocol.control import JobView
+from tests.conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
+
+from .netns import LINK, Node, two_nodes, unavailable
+
+pytestmark = [pytest.mark.anyio, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
+
+PORTS = itertools.count(29400 + os.getpid() % 500)
+KEEP_ALIVE = 3.0
+GRACE = 2.0
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@asynccontextmanager
+async def two_daemons(base: Path) -> AsyncIterator[tuple[tuple[Node, Node], DaemonProc, DaemonProc]]:
+    with two_nodes() as nodes:
+        (base / "a").mkdir()
+        (base / "b").mkdir()
+        async with running_daemon(base / "a", prefix=nodes[0].prefix) as a, \
+                running_daemon(base / "b", prefix=nodes[1].prefix) as b:
+            yield nodes, a, b
+
+
+def multinode(d: DaemonProc, nodes: tuple[Node, Node], run: str, port: int, **kw: Any) -> Any:
+    kw.setdefault("nnodes", "2")
+    kw.setdefault("nproc", 2)
+    return d.spec(rdzv_endpoint=f"{nodes[0].address}:{port}", rdzv_id=run, rdzv_keep_alive=KEEP_ALIVE,
+                  env={"GLOO_SOCKET_IFNAME": LINK}, **kw)
+
+
+async def wait_both(a: DaemonProc, ja: str, b: DaemonProc, jb: str, timeout: float = 120) -> tuple[JobView, JobView]:
+    with anyio.fail_after(timeout):
+        return await a.client.wait(ja), await b.client.wait(jb)
+
+
+def logged_env(view: JobView) -> dict[int, dict[str, str]]:
+    """Each rank's environment as show_env.py printed it in its log."""
+    found = {}
+    for rank in view.ranks:
+        assert rank.log is not None
+        for line in Path(rank.log).read_text().splitlines():
+            if line.startswith("ddpd-test-env "):
+                found[rank.rank] = json.loads(line.removeprefix("ddpd-test-env "))["env"]
+    return found
+
+
+async def torchrun_env(nodes: tuple[Node, Node], tmp: Path, port: int) -> dict[int, dict[str, str]]:
+    """The same two nodes under the installed torchrun: each rank's environment, by global rank."""
+    procs = []
+    for i, node in enumerate(nodes):
+        log_dir = tmp / f"torchrun-{i}"
+        argv = [*node.prefix, str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{nodes[0].address}:{port}", "--rdzv-id", "same-run", "--log-dir", str(log_dir),
+                # in a namespace torchrun cannot tell its host by the machine's hostname: told here
+                "--local-addr", node.address, "--rdzv-conf", f"is_host={int(i == 0)}",
+                "--tee", "3", "tests/scripts/show_env.py"]
+        procs.append(await anyio.open_process(argv, cwd=REPO, env={**os.environ, "GLOO_SOCKET_IFNAME": LINK},
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with anyio.fail_after(120):
+        codes = [await p.wait() for p in procs]
+    assert codes == [0, 0]
+    found = {}
+    for i in range(2):
+        for path in (tmp / f"torchrun-{i}").rglob("stdout.log"):
+            for line in path.read_text().splitlines():
+                if "ddpd-test-env " in line:
+                    env = json.loads(line.split("ddpd-test-env ", 1)[1])["env"]
+                    found[int(env["RANK"])] = env
+    return found
+
+
+async def test_two_nodes_train_one_world_as_torchrun(short_tmp: Path) -> None:
+    """2 nodes x 2 ranks: the two-layer job succeeds in one world of 4 with the same parameters on
+    every rank; a script's environment matches torchrun's across the same two nodes; each node's
+    status shows both nodes."""
+    async with two_daemons(short_tmp) as (nodes, a, b):
+        port = next(PORTS)
+        ja = await a.client.submit(multinode(a, nodes, "train", port, steps=20))
+        jb = await b.client.submit(multinode(b, nodes, "train", port, steps=20))
+        va, vb = await wait_both(a, ja, b, jb)
+        assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
+        assert sorted(r.rank for r in va.ranks + vb.ranks) == [0, 1, 2, 3]
+        checksums = {r.checksum for r in va.ranks + vb.ranks}
+        assert len(checksums) == 1 and None not in checksums
+        for view in (va, vb):
+            assert [n.node_rank for n in view.nodes] == [0, 1]
+            assert {n.host for n in view.nodes} == {nodes[0].address, nodes[1].address}
+            assert [n.state for n in view.nodes if n.local] == ["succeeded"]  # the other's, as last read
+            assert sorted(r for n in view.nodes for r in n.ranks) == [0, 1, 2, 3]
+
+        port = next(PORTS)
+        script = ["tests/scripts/show_env.py"]
+        ja = await a.client.submit(multinode(a, nodes, "same-run", port, script=script))
+        jb = await b.client.submit(multinode(b, nodes, "same-run", port, script=script))
+        va, vb = await wait_both(a, ja, b, jb)
+        assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
+        ours = {**logged_env(va), **logged_env(vb)}
+        theirs = await torchrun_env(nodes, short_tmp, next(PORTS))
+        assert sorted(ours) == sorted(theirs) == [0, 1, 2, 3]
+        for rank in range(4):
+            assert {k: ours[rank].get(k) for k in ENV_KEYS} == {k: theirs[rank].get(k) for k in ENV_KEYS}, rank
+            assert ours[rank]["MASTER_ADDR"] in (nodes[0].address, nodes[1].address)
+        missing = {k for k in theirs[0] if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_", "MASTER_"))}
+        assert missing - set(ours[0]) <= {"TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_ERROR_FILE"}
