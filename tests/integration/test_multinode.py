@@ -117,15 +117,22 @@ async def test_two_nodes_train_one_world_as_torchrun(short_tmp: Path) -> None:
 
         port = next(PORTS)
         script = ["tests/scripts/show_env.py"]
-        ja = await a.client.submit(multinode(a, nodes, "same-run", port, script=script))
-        jb = await b.client.submit(multinode(b, nodes, "same-run", port, script=script))
-        va, vb = await wait_both(a, ja, b, jb)
+        theirs: dict[int, dict[str, str]] = {}
+
+        async def under_torchrun() -> None:
+            theirs.update(await torchrun_env(nodes, short_tmp, next(PORTS)))
+
+        async with anyio.create_task_group() as tg:  # the same script under torchrun, meanwhile
+            tg.start_soon(under_torchrun)
+            ja = await a.client.submit(multinode(a, nodes, "same-run", port, script=script))
+            jb = await b.client.submit(multinode(b, nodes, "same-run", port, script=script))
+            va, vb = await wait_both(a, ja, b, jb)
         assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
         ours = {**logged_env(va), **logged_env(vb)}
-        theirs = await torchrun_env(nodes, short_tmp, next(PORTS))
         assert sorted(ours) == sorted(theirs) == [0, 1, 2, 3]
         for rank in range(4):
             assert {k: ours[rank].get(k) for k in ENV_KEYS} == {k: theirs[rank].get(k) for k in ENV_KEYS}, rank
             assert ours[rank]["MASTER_ADDR"] in (nodes[0].address, nodes[1].address)
         missing = {k for k in theirs[0] if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_", "MASTER_"))}
-        assert missing - set(ours[0]) <= {"TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_ERROR_FILE"}
+        # torchrun's agent-only settings (its file timer, the signals it forwards)
+        assert missing - set(ours[0]) <= {"TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
