@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +23,8 @@ import anyio
 import pytest
 
 from ddpd.protocol.control import JobView
-from tests.conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
+from tests.conftest import REPO, DaemonProc, assert_nothing_left, running_daemon, start_daemon
+from tests.faults.helpers import await_gone, events_of
 
 from .netns import LINK, Node, two_nodes, unavailable
 
@@ -56,8 +57,15 @@ def multinode(d: DaemonProc, nodes: tuple[Node, Node], run: str, port: int, **kw
 
 
 async def wait_both(a: DaemonProc, ja: str, b: DaemonProc, jb: str, timeout: float = 120) -> tuple[JobView, JobView]:
-    with anyio.fail_after(timeout):
-        return await a.client.wait(ja), await b.client.wait(jb)
+    try:
+        with anyio.fail_after(timeout):
+            return await a.client.wait(ja), await b.client.wait(jb)
+    except TimeoutError:
+        for d, j in ((a, ja), (b, jb)):  # what each node saw, for the failure's report
+            print(await d.client.status(j))
+            print([(e.kind, e.attempt, e.data) for e in await events_of(d, j)][-15:])
+            print([line for line in d.logs if line.get("event", "").startswith(("nodes.", "job."))][-10:])
+        raise
 
 
 def logged_env(view: JobView) -> dict[int, dict[str, str]]:
@@ -136,3 +144,61 @@ async def test_two_nodes_train_one_world_as_torchrun(short_tmp: Path) -> None:
         missing = {k for k in theirs[0] if k.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_", "MASTER_"))}
         # torchrun's agent-only settings (its file timer, the signals it forwards)
         assert missing - set(ours[0]) <= {"TORCHELASTIC_ENABLE_FILE_TIMER", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+
+
+async def gone_within(pids: list[int], timeout: float) -> None:
+    """Every pid exits (another daemon's processes: their pidfd, or gone already)."""
+    with anyio.fail_after(timeout):
+        for pid in pids:
+            await await_gone(pid, timeout)
+
+
+async def test_node_killed_survivor_resumes_then_late_node_joins(short_tmp: Path) -> None:
+    """--nnodes 1:2, one restart: kill -9 of node b's daemon mid-training tears node a's ranks down
+    within keep-alive + kill grace, names node b as lost, and node a re-forms alone and resumes from
+    its checkpoint (a restart); a node that joins later is admitted at a re-form that costs no
+    restart (a graceful stop), and both end with the same parameters. Nothing is left on either."""
+    with two_nodes() as nodes:
+        (short_tmp / "a").mkdir()
+        (short_tmp / "b").mkdir()
+        port = next(PORTS)
+        spec: dict[str, Any] = {"nnodes": "1:2", "task": "tests.tasks:slow", "steps": 300, "checkpoint_every": 5,
+                                "max_restarts": 1, "rdzv_last_call": 2.0, "options": {"step_sleep": 0.05},
+                                "timeouts": {"kill_grace": GRACE}}
+        async with running_daemon(short_tmp / "a", prefix=nodes[0].prefix) as a:
+            async with anyio.create_task_group() as tg:
+                b = await start_daemon(tg, short_tmp / "b", prefix=nodes[1].prefix)
+                ja = await a.client.submit(multinode(a, nodes, "elastic", port, **spec))
+                jb = await b.client.submit(multinode(b, nodes, "elastic", port, **spec))
+                await a.wait_event(ja, lambda e: e.kind == "job.rendezvous" and e.data.get("nnodes") == 2)
+                saved = await a.wait_event(ja, lambda e: e.kind == "job.checkpointed" and e.data["step"] >= 10)
+                first_a, first_b = await a.client.status(ja), await b.client.status(jb)
+                killed_at = time.time()
+                b.proc.kill()
+                await b.proc.wait()
+                tg.cancel_scope.cancel()
+            torn = await a.wait_event(ja, lambda e: e.kind == "job.torn_down" and e.attempt == saved.attempt)
+            assert torn.ts - killed_at <= KEEP_ALIVE + GRACE + 2.0, torn.ts - killed_at
+            assert_nothing_left([first_a])
+            await gone_within([r.pid for r in first_b.ranks if r.pid is not None], 10)
+            restarting = await a.wait_event(ja, lambda e: e.kind == "job.state_changed"
+                                            and e.data.get("to") == "RESTARTING")
+            assert f"node 1 (host {nodes[1].address}) lost" in restarting.data["root_cause"] or (
+                f"(host {nodes[1].address})" in restarting.data["root_cause"]), restarting.data
+            alone = await a.wait_event(ja, lambda e: e.kind == "job.rendezvous" and e.data.get("nnodes") == 1)
+
+            # a late node: node b's daemon again, a new submit of the same run
+            async with running_daemon(short_tmp / "b", prefix=nodes[1].prefix,
+                                      state_dir=short_tmp / "b" / "state2") as b2:
+                jb2 = await b2.client.submit(multinode(b2, nodes, "elastic", port, **spec))
+                va, vb = await wait_both(a, ja, b2, jb2)
+            assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
+            events = await events_of(a, ja)
+            assert [e.data["nnodes"] for e in events if e.kind == "job.rendezvous"][-1] == 2
+            resumed = [e.data["step"] for e in events if e.kind == "job.checkpointed" and e.attempt == alone.attempt]
+            last_saved = max(e.data["step"] for e in events
+                             if e.kind == "job.checkpointed" and e.attempt == saved.attempt)
+            assert resumed and min(resumed) > last_saved, (last_saved, resumed)
+            assert va.attempt == alone.attempt + 1  # the late node's re-form: one more attempt, no restart
+            assert {r.checksum for r in va.ranks + vb.ranks} == {va.ranks[0].checksum}
+            assert [r.step for r in va.ranks + vb.ranks] == [300] * 4

@@ -139,6 +139,13 @@ def _handler(store: Any, run_id: str, lo: int, hi: int, local: str, join: float,
         def _create_tcp_store_server(self, master_addr: Any, master_port: Any) -> Any:
             return NoServer()  # the daemon serves each attempt's worker store itself
 
+        def next_rendezvous(self) -> Any:
+            # torch keeps the first round's bootstrap address and publishes it only then, while a node
+            # that joins a later round waits for it under that round's prefix: published every round
+            self._bootstrap_store_info = None
+            self._shared_tcp_store_server = None
+            return super().next_rendezvous()
+
     backend = C10dRendezvousBackend(store, run_id)
     interval = max(1, round(keep_alive / 3))
     timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call),

@@ -106,8 +106,8 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     model = task.model.to(device)
     optimizer = (task.optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
     start = load_checkpoint(assign.checkpoint_dir, model, optimizer, device)
-    if assign.world_size != assign.local_world_size:  # across nodes: global rank 0's checkpoint decides
-        start = agreed_start(start, device if dist.get_backend() == "nccl" else torch.device("cpu"))
+    if assign.world_size != assign.local_world_size:  # across nodes: the newest checkpoint of any node
+        start = newest_checkpoint(start, model, device if dist.get_backend() == "nccl" else torch.device("cpu"))
     saved = start
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = task.forward or default_forward
@@ -233,13 +233,22 @@ class StopVote:
         return bool(stop)
 
 
-def agreed_start(start: int, device: Any) -> int:
-    """The step every rank resumes from: global rank 0's. Each node's local rank 0 keeps a checkpoint
-    in its own daemon's directory; a node that joined later has none (or an older one), and DDP's
-    constructor gives it rank 0's parameters."""
-    value = torch.tensor([start], dtype=torch.int64, device=device)
-    dist.broadcast(value, src=0)
-    return int(value.item())
+def newest_checkpoint(start: int, model: Any, device: Any) -> int:
+    """The step every rank resumes from, across nodes: the newest checkpoint any rank loaded.
+
+    Each node's local rank 0 keeps checkpoints in its own daemon's directory, so a node that joined
+    later has none (or an older one). The lowest rank holding the newest sends its parameters to
+    all (the optimizer's state stays each node's own: none where a node had no checkpoint)."""
+    newest = torch.tensor([start], dtype=torch.int64, device=device)
+    dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+    step = int(newest.item())
+    holder = torch.tensor([dist.get_rank() if start == step else dist.get_world_size()], dtype=torch.int64,
+                          device=device)
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+    if step > 0:
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=int(holder.item()))
+    return step
 
 
 def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, step: int) -> int:
