@@ -202,3 +202,29 @@ async def test_node_killed_survivor_resumes_then_late_node_joins(short_tmp: Path
             assert va.attempt == alone.attempt + 1  # the late node's re-form: one more attempt, no restart
             assert {r.checksum for r in va.ranks + vb.ranks} == {va.ranks[0].checksum}
             assert [r.step for r in va.ranks + vb.ranks] == [300] * 4
+
+
+async def test_cut_link_is_detected_on_both_nodes(short_tmp: Path) -> None:
+    """Node b's link goes down mid-training: node a finds b's heartbeat frozen and node b finds the
+    rendezvous store silent; each tears its ranks down within keep-alive + kill grace and says why."""
+    async with two_daemons(short_tmp) as (nodes, a, b):
+        port = next(PORTS)
+        spec: dict[str, Any] = {"task": "tests.tasks:slow", "steps": 100_000, "options": {"step_sleep": 0.05},
+                                "timeouts": {"kill_grace": GRACE}}
+        ja = await a.client.submit(multinode(a, nodes, "cut", port, **spec))
+        jb = await b.client.submit(multinode(b, nodes, "cut", port, **spec))
+        for d, j in ((a, ja), (b, jb)):
+            await d.wait_event(j, lambda e: e.kind == "job.state_changed" and e.data.get("to") == "RUNNING")
+        cut_at = time.time()
+        nodes[1].cut()
+        va, vb = await wait_both(a, ja, b, jb, timeout=60)
+        assert (va.state, vb.state) == ("FAILED", "FAILED")
+        for d, j in ((a, ja), (b, jb)):
+            torn = await d.wait_event(j, lambda e: e.kind == "job.torn_down")
+            assert torn.ts - cut_at <= KEEP_ALIVE + GRACE + 2.0, (d.socket, torn.ts - cut_at)
+        assert va.root_cause is not None and vb.root_cause is not None
+        assert f"(host {nodes[1].address}) lost" in (va.root_cause.detail or ""), va.root_cause
+        assert "unreachable" in (vb.root_cause.detail or ""), vb.root_cause
+        assert "daemon of node" in (vb.root_cause.detail or ""), vb.root_cause
+        assert [n.state for n in va.nodes if not n.local] == ["lost"]
+        assert_nothing_left([va, vb])

@@ -25,14 +25,16 @@ import functools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
-import anyio.to_thread
+import anyio.from_thread
+import anyio.lowlevel
 import structlog
 
 from ..protocol.nodes import NodeView, parse_endpoint, parse_nnodes
@@ -172,7 +174,6 @@ class NodeSession:
         self.port_range = port_range
         self.join_timeout = join_timeout
         self.daemon = daemon or f"{socket.gethostname()}:{os.getpid()}"
-        self.limiter = anyio.CapacityLimiter(8)
         self.store: Any = None  # the rendezvous store (served here, or a client)
         self.serving = False
         self.handler: Any = None
@@ -185,9 +186,31 @@ class NodeSession:
         self.records: dict[int, dict[str, Any]] = {}
 
     async def _call(self, fn: Callable[..., T], *args: Any, timeout: float) -> T:
+        """`fn(*args)` in a daemon thread of its own, awaited at most `timeout` seconds.
+
+        A store call to a node that is gone blocks until the store's own timeout: abandoned here,
+        and in a daemon thread, so that neither the attempt nor the daemon's exit waits for it."""
+        done = anyio.Event()
+        token = anyio.lowlevel.current_token()
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # handed to the awaiting task
+                box.append((False, exc))
+            try:
+                anyio.from_thread.run_sync(done.set, token=token)
+            except RuntimeError:  # the event loop is gone (abandoned, the daemon stopping)
+                pass
+
+        threading.Thread(target=run, name="ddpd-rendezvous", daemon=True).start()
         with anyio.fail_after(timeout):
-            return await anyio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True,
-                                                  limiter=self.limiter)
+            await done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return cast(T, value)
 
     # -- forming ---------------------------------------------------------------------------
 
