@@ -24,9 +24,10 @@ import pytest
 
 from ddpd.protocol.control import JobView
 from tests.conftest import REPO, DaemonProc, assert_nothing_left, running_daemon, start_daemon
-from tests.faults.helpers import await_gone, events_of
+from tests.faults.helpers import events_of, wait_gone
 
 from .netns import LINK, Node, two_nodes, unavailable
+from .test_pool import pool_full
 
 pytestmark = [pytest.mark.anyio, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 
@@ -40,12 +41,12 @@ ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 
 
 @asynccontextmanager
-async def two_daemons(base: Path) -> AsyncIterator[tuple[tuple[Node, Node], DaemonProc, DaemonProc]]:
+async def two_daemons(base: Path, *flags: str) -> AsyncIterator[tuple[tuple[Node, Node], DaemonProc, DaemonProc]]:
     with two_nodes() as nodes:
         (base / "a").mkdir()
         (base / "b").mkdir()
-        async with running_daemon(base / "a", prefix=nodes[0].prefix) as a, \
-                running_daemon(base / "b", prefix=nodes[1].prefix) as b:
+        async with running_daemon(base / "a", *flags, prefix=nodes[0].prefix) as a, \
+                running_daemon(base / "b", *flags, prefix=nodes[1].prefix) as b:
             yield nodes, a, b
 
 
@@ -106,15 +107,20 @@ async def torchrun_env(nodes: tuple[Node, Node], tmp: Path, port: int) -> dict[i
 
 async def test_two_nodes_train_one_world_as_torchrun(short_tmp: Path) -> None:
     """2 nodes x 2 ranks: the two-layer job succeeds in one world of 4 with the same parameters on
-    every rank; a script's environment matches torchrun's across the same two nodes; each node's
-    status shows both nodes."""
-    async with two_daemons(short_tmp) as (nodes, a, b):
+    every rank, its ranks taken from each node's warm pool; a script's environment matches torchrun's
+    across the same two nodes; each node's status shows both nodes."""
+    async with two_daemons(short_tmp, "--pool-size", "2") as (nodes, a, b):
+        await pool_full(a)
+        await pool_full(b)
         port = next(PORTS)
         ja = await a.client.submit(multinode(a, nodes, "train", port, steps=20))
         jb = await b.client.submit(multinode(b, nodes, "train", port, steps=20))
         va, vb = await wait_both(a, ja, b, jb)
         assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
         assert sorted(r.rank for r in va.ranks + vb.ranks) == [0, 1, 2, 3]
+        for d, j in ((a, ja), (b, jb)):
+            spawned = [e for e in await events_of(d, j) if e.kind == "rank.spawned"]
+            assert [e.data.get("pooled") for e in spawned] == [True, True]
         checksums = {r.checksum for r in va.ranks + vb.ranks}
         assert len(checksums) == 1 and None not in checksums
         for view in (va, vb):
@@ -147,10 +153,21 @@ async def test_two_nodes_train_one_world_as_torchrun(short_tmp: Path) -> None:
 
 
 async def gone_within(pids: list[int], timeout: float) -> None:
-    """Every pid exits (another daemon's processes: their pidfd, or gone already)."""
+    """Every pid has exited (another daemon's processes: orphaned, they may stay zombies until
+    whoever adopted them reaps them)."""
     with anyio.fail_after(timeout):
         for pid in pids:
-            await await_gone(pid, timeout)
+            await wait_gone(pid)
+    for pid in pids:
+        assert proc_state(pid) in ("Z", None), pid
+
+
+def proc_state(pid: int) -> str | None:
+    """The process's state letter in /proc (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 async def test_node_killed_survivor_resumes_then_late_node_joins(short_tmp: Path) -> None:
