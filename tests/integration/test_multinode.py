@@ -182,9 +182,10 @@ async def test_node_killed_survivor_resumes_then_late_node_joins(short_tmp: Path
         spec: dict[str, Any] = {"nnodes": "1:2", "task": "tests.tasks:slow", "steps": 300, "checkpoint_every": 5,
                                 "max_restarts": 1, "rdzv_last_call": 2.0, "options": {"step_sleep": 0.05},
                                 "timeouts": {"kill_grace": GRACE}}
-        async with running_daemon(short_tmp / "a", prefix=nodes[0].prefix) as a:
+        async with running_daemon(short_tmp / "a", "--pool-size", "2", prefix=nodes[0].prefix) as a:
             async with anyio.create_task_group() as tg:
                 b = await start_daemon(tg, short_tmp / "b", prefix=nodes[1].prefix)
+                await pool_full(a)
                 ja = await a.client.submit(multinode(a, nodes, "elastic", port, **spec))
                 jb = await b.client.submit(multinode(b, nodes, "elastic", port, **spec))
                 await a.wait_event(ja, lambda e: e.kind == "job.rendezvous" and e.data.get("nnodes") == 2)
