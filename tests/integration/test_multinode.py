@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -222,17 +223,36 @@ async def test_node_killed_survivor_resumes_then_late_node_joins(short_tmp: Path
             assert [r.step for r in va.ranks + vb.ranks] == [300] * 4
 
 
-async def test_cut_link_is_detected_on_both_nodes(short_tmp: Path) -> None:
-    """Node b's link goes down mid-training: node a finds b's heartbeat frozen and node b finds the
-    rendezvous store silent; each tears its ranks down within keep-alive + kill grace and says why."""
+async def test_a_failed_node_and_a_cut_link_reach_the_other_node(short_tmp: Path) -> None:
+    """A rank of node b is SIGKILLed: node b fails with it as the root cause and node a shows it,
+    "node N (host b) failed: rank R died of signal SIGKILL". Then node b's link goes down
+    mid-training: node a finds b's heartbeat frozen and node b finds the rendezvous store silent;
+    each tears its ranks down within keep-alive + kill grace and says why."""
     async with two_daemons(short_tmp) as (nodes, a, b):
-        port = next(PORTS)
         spec: dict[str, Any] = {"task": "tests.tasks:slow", "steps": 100_000, "options": {"step_sleep": 0.05},
                                 "timeouts": {"kill_grace": GRACE}}
-        ja = await a.client.submit(multinode(a, nodes, "cut", port, **spec))
-        jb = await b.client.submit(multinode(b, nodes, "cut", port, **spec))
-        for d, j in ((a, ja), (b, jb)):
-            await d.wait_event(j, lambda e: e.kind == "job.state_changed" and e.data.get("to") == "RUNNING")
+
+        async def both_running(run: str) -> tuple[str, str]:
+            port = next(PORTS)
+            ja = await a.client.submit(multinode(a, nodes, run, port, **spec))
+            jb = await b.client.submit(multinode(b, nodes, run, port, **spec))
+            for d, j in ((a, ja), (b, jb)):
+                await d.wait_event(j, lambda e: e.kind == "job.state_changed" and e.data.get("to") == "RUNNING")
+            return ja, jb
+
+        ja, jb = await both_running("rank-killed")
+        victim = (await b.client.status(jb)).ranks[1]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        va, vb = await wait_both(a, ja, b, jb, timeout=60)
+        assert (va.state, vb.state) == ("FAILED", "FAILED")
+        assert vb.root_cause is not None and vb.root_cause.rank == victim.rank, vb.root_cause
+        node_b = next(n.node_rank for n in vb.nodes if n.local)
+        expected = f"node {node_b} (host {nodes[1].address}) failed: rank {victim.rank} died of signal SIGKILL"
+        assert va.root_cause is not None and (va.root_cause.detail or "").startswith(expected), va.root_cause
+        assert (vb.root_cause.detail or "").startswith(expected), vb.root_cause
+
+        ja, jb = await both_running("cut")
         cut_at = time.time()
         nodes[1].cut()
         va, vb = await wait_both(a, ja, b, jb, timeout=60)

@@ -8,7 +8,8 @@ graceful: the ranks checkpoint and stop, and the job re-forms without counting a
 `settle` runs after the teardown: a failure of this node's own (a rank that died or failed on its
 own) is written into the store for the others, as "node N (host H) failed: ..."; a failure that
 only shows peers gone (collateral errors, no cause) waits, at most keep-alive and an interval, for
-the verdict that names the node that went first.
+the verdict that names the node that went first. A node whose attempt was cancelled, ran out of
+wall time or whose daemon stops says so too, so that the others do not wait for its silence.
 """
 
 from __future__ import annotations
@@ -72,8 +73,13 @@ async def settle(session: NodeSession, outcome: Outcome, number: int, clock: Clo
     layout = session.layout
     if layout is None:
         return outcome
-    if outcome.state is not JobState.FAILED:
+    if outcome.state in (JobState.SUCCEEDED, JobState.RESTARTING):
         await session.publish(_state_name(outcome.state))
+        return outcome
+    if outcome.state is not JobState.FAILED:  # cancelled, out of wall time, its daemon stopping
+        why = "its daemon is stopping" if outcome.state is JobState.QUEUED else outcome.reason
+        await session.publish(_state_name(outcome.state), failure=f"node {layout.node_rank} (host {session.address}) "
+                                                                  f"{_state_name(outcome.state)}: {why}")
         return outcome
     if outcome.reason in NODE_REASONS:
         await session.publish("failed")
@@ -97,4 +103,4 @@ async def settle(session: NodeSession, outcome: Outcome, number: int, clock: Clo
 
 
 def _state_name(state: JobState) -> str:
-    return state.value.lower()
+    return "stopped" if state is JobState.QUEUED else state.value.lower()
