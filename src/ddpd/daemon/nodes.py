@@ -4,9 +4,9 @@ Membership, node ranks and re-forming come from torch's own elastic rendezvous
 (``DynamicRendezvousHandler`` over the ``c10d`` backend, a TCPStore at the job's endpoint), as for
 torchrun; nothing here is a cluster protocol of its own. The daemon whose addresses include the
 endpoint's host binds the endpoint port itself and serves that store for the whole job (a taken
-port is an error naming it); the others connect as clients. Every blocking call of torch runs in
-a thread of the session's own, bounded by a deadline and abandoned on cancellation, never on the
-event loop.
+port is an error naming it); the others connect as clients (see `elastic`). Every blocking call
+of torch runs in a daemon thread, bounded by a deadline and abandoned on cancellation
+(`elastic.call_blocking`), never on the event loop.
 
 Per attempt (`form`): ``next_rendezvous`` gives this node its rank and the node count; each node
 writes its record (host, daemon, ranks on it) under the round's prefix in the store, the global
@@ -20,41 +20,41 @@ show it.
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import structlog
 
-from ..protocol.nodes import NodeView, parse_endpoint, parse_nnodes
+from ..protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
 from ..protocol.spec import JobSpec
+from .elastic import (
+    CLOSE_TIMEOUT,
+    NodeError,
+    call_blocking,
+    endpoint_address,
+    make_handler,
+    route_address,
+    serve_store,
+)
 from .nodewatch import NodeWatch, Verdict
-from .rendezvous import Rendezvous, RendezvousError, open_rendezvous
+from .rendezvous import Rendezvous, open_rendezvous
 
 log = structlog.get_logger("ddpd")
 T = TypeVar("T")
 
 DEFAULT_KEEP_ALIVE = 15.0  # torchrun's: 3 keep-alive beats of 5 s
 DEFAULT_LAST_CALL = 30.0
-CLOSE_TIMEOUT = 10.0
 FAILED_KEY = "ddpd/failed"
 MASTER_KEY = "ddpd/master"
 FINAL = ("succeeded", "failed", "cancelled", "timed_out")
-
-
-class NodeError(RendezvousError):
-    """The rendezvous cannot be reached, served or formed: the attempt fails with this text."""
 
 
 @dataclass(frozen=True)
@@ -67,97 +67,6 @@ class NodeLayout:
     world_size: int
     run_id: str
     restart_count: int
-
-
-def endpoint_address(host: str, port: int) -> str | None:
-    """Blocking: the endpoint's address when it is one of this machine's (or namespace's), else None.
-
-    A local address binds; a taken port on it is a NodeError naming it."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise NodeError(f"rdzv_endpoint: cannot resolve {host!r}: {exc}") from None
-    for family, _, _, _, addr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(addr[:2])
-            except OSError as exc:
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    continue
-                raise NodeError(f"rdzv_endpoint: port {port} on {addr[0]} is taken ({exc.strerror}); "
-                                "this daemon serves the rendezvous there") from None
-            return str(addr[0])
-    return None
-
-
-def check_endpoint(spec: JobSpec) -> None:
-    """Blocking, at submit: on the endpoint's host its port must be free (NodeError names it)."""
-    if spec.rdzv_endpoint:
-        endpoint_address(*parse_endpoint(spec.rdzv_endpoint))
-
-
-def route_address(host: str, port: int) -> str:
-    """Blocking: this node's address on the way to the endpoint (what the other nodes reach it at)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((host, port))
-        except OSError as exc:
-            raise NodeError(f"rdzv_endpoint: no route to {host}:{port}: {exc.strerror}") from None
-        return str(sock.getsockname()[0])
-
-
-def _serve(address: str, port: int, timeout: float) -> Any:
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address, port))
-        sock.listen(1024)
-    except OSError as exc:
-        sock.close()
-        raise NodeError(f"rdzv_endpoint: cannot bind port {port} on {address}: {exc.strerror}") from None
-    fd = sock.detach()
-    try:
-        return dist.TCPStore(address, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                             timeout=timedelta(seconds=timeout))
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _handler(store: Any, run_id: str, lo: int, hi: int, local: str, join: float, last_call: float,
-             keep_alive: float) -> Any:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
-
-    class Handler(DynamicRendezvousHandler):  # type: ignore[misc]
-        def _create_tcp_store_server(self, master_addr: Any, master_port: Any) -> Any:
-            return NoServer()  # the daemon serves each attempt's worker store itself
-
-        def next_rendezvous(self) -> Any:
-            # torch keeps the first round's bootstrap address and publishes it only then, while a node
-            # that joins a later round waits for it under that round's prefix: published every round
-            self._bootstrap_store_info = None
-            self._shared_tcp_store_server = None
-            return super().next_rendezvous()
-
-    backend = C10dRendezvousBackend(store, run_id)
-    interval = max(1, round(keep_alive / 3))
-    timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call),
-                                close=timedelta(seconds=CLOSE_TIMEOUT), heartbeat=timedelta(seconds=interval))
-    return Handler.from_backend(run_id, store, backend, lo, hi, local_addr=local, timeout=timeout,
-                                keep_alive_interval=interval, keep_alive_max_attempt=3)
-
-
-class NoServer:
-    port = 0
 
 
 class NodeSession:
@@ -186,31 +95,7 @@ class NodeSession:
         self.records: dict[int, dict[str, Any]] = {}
 
     async def _call(self, fn: Callable[..., T], *args: Any, timeout: float) -> T:
-        """`fn(*args)` in a daemon thread of its own, awaited at most `timeout` seconds.
-
-        A store call to a node that is gone blocks until the store's own timeout: abandoned here,
-        and in a daemon thread, so that neither the attempt nor the daemon's exit waits for it."""
-        done = anyio.Event()
-        token = anyio.lowlevel.current_token()
-        box: list[Any] = []
-
-        def run() -> None:
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # handed to the awaiting task
-                box.append((False, exc))
-            try:
-                anyio.from_thread.run_sync(done.set, token=token)
-            except RuntimeError:  # the event loop is gone (abandoned, the daemon stopping)
-                pass
-
-        threading.Thread(target=run, name="ddpd-rendezvous", daemon=True).start()
-        with anyio.fail_after(timeout):
-            await done.wait()
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return cast(T, value)
+        return await call_blocking(fn, *args, timeout=timeout)
 
     # -- forming ---------------------------------------------------------------------------
 
@@ -219,7 +104,7 @@ class NodeSession:
             return
         local = await self._call(endpoint_address, self.host, self.port, timeout=30)
         if local is not None:
-            self.store = await self._call(_serve, local, self.port, self.keep_alive, timeout=30)
+            self.store = await self._call(serve_store, local, self.port, self.keep_alive, timeout=30)
             self.serving, self.address = True, local
         else:
             import torch.distributed as dist
@@ -232,7 +117,7 @@ class NodeSession:
             except (RuntimeError, TimeoutError) as exc:
                 raise NodeError(f"the rendezvous store at {self.spec.rdzv_endpoint} did not answer within "
                                 f"{self.join_timeout:.0f} s: {exc}") from None
-        self.handler = await self._call(_handler, self.store, self.spec.rdzv_id, self.min_nodes, self.max_nodes,
+        self.handler = await self._call(make_handler, self.store, self.spec.rdzv_id, self.min_nodes, self.max_nodes,
                                         self.address, self.join_timeout, self.last_call, self.keep_alive,
                                         timeout=30)
 
@@ -263,7 +148,7 @@ class NodeSession:
             raise NodeError(f"the nodes of round {nnodes} did not all publish their records: {exc}") from None
         self.records = dict(enumerate(records))
         sizes = [int(r["nproc"]) for r in records]
-        offset, world = sum(sizes[:node]), sum(sizes)
+        offset, world = rank_layout(sizes, node)
         self.layout = NodeLayout(node, nnodes, offset, world, self.spec.rdzv_id,
                                  number - 1 - self.membership_changes)
         if node == 0:

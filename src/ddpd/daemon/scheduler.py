@@ -29,9 +29,10 @@ from .admission import admit, check_key, check_limits, over_user_gpus
 from .attempt import Attempt, Outcome
 from .cgroups import AttemptCgroup, Subtree
 from .config import Config
+from .elastic import NodeError, check_endpoint
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
-from .nodes import NodeError, NodeSession, check_endpoint
+from .nodes import NodeSession
 from .pool import WarmPool
 from .procs import find_members, proc_environ_has, reap_children
 from .records import Job, job_dir
