@@ -3,17 +3,23 @@ on a fake clock, and each rank's environment across nodes."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from ddpd.cli.render import job_detail
+from ddpd.cli.specs import spec_from_options
+from ddpd.daemon.elastic import NodeError, check_endpoint, endpoint_address
 from ddpd.daemon.launch import rank_env
 from ddpd.daemon.nodes import NodeLayout
 from ddpd.daemon.nodewatch import NodeWatch, Verdict
 from ddpd.daemon.records import Job
 from ddpd.daemon.rendezvous import Rendezvous
 from ddpd.protocol import JobSpec, JobState, SpecError, check_spec
-from ddpd.protocol.nodes import parse_endpoint, parse_nnodes, rank_layout
+from ddpd.protocol.control import JobView
+from ddpd.protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
 
 
 @pytest.mark.parametrize(("text", "expected"), [("1", (1, 1)), ("2", (2, 2)), ("1:4", (1, 4)), (" 2:2 ", (2, 2))])
@@ -105,3 +111,27 @@ def test_a_written_failure_wins() -> None:
     watch.failed("node 0 (host a) failed: rank 1 died of signal SIGKILL")
     watch.failed("a later one")
     assert watch.verdict(0.1) == Verdict("failed", detail="node 0 (host a) failed: rank 1 died of signal SIGKILL")
+
+
+def test_the_endpoint_port_is_checked_where_it_is_served() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(NodeError, match=f"port {port} on 127.0.0.1 is taken"):
+            check_endpoint(JobSpec(nnodes="2", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="r"))
+    assert endpoint_address("127.0.0.1", port) == "127.0.0.1"  # free again: this daemon would serve it
+    assert endpoint_address("192.0.2.1", port) is None  # not an address of this machine: a client
+
+
+def test_submit_flags_and_status_speak_torchrun(tmp_path: Path) -> None:
+    spec = spec_from_options({"nproc": 2, "nnodes": "1:2", "rdzv_endpoint": "h:29400", "rdzv_id": "run",
+                              "rdzv_keep_alive": 5.0}, ())
+    assert (spec.nnodes, spec.rdzv_endpoint, spec.rdzv_id, spec.rdzv_keep_alive) == ("1:2", "h:29400", "run", 5.0)
+    view = JobView(id="j1", name="", state="FAILED", owner_uid=0, submitted_at=0.0, spec=spec, nodes=[
+        NodeView(node_rank=0, host="10.0.0.1", daemon="a:1", state="failed", ranks=[0, 1], local=True),
+        NodeView(node_rank=1, host="10.0.0.2", daemon="b:2", state="lost", ranks=[2, 3])])
+    console = Console(width=120, record=True)
+    console.print(job_detail(view, 0.0))
+    text = console.export_text()
+    assert "0*" in text and "10.0.0.2" in text and "lost" in text and "2-3" in text
