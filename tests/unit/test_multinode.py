@@ -121,6 +121,8 @@ def test_the_endpoint_port_is_checked_where_it_is_served() -> None:
         with pytest.raises(NodeError, match=f"port {port} on 127.0.0.1 is taken"):
             check_endpoint(JobSpec(nnodes="2", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="r"))
     assert endpoint_address("127.0.0.1", port) == "127.0.0.1"  # free again: this daemon would serve it
+    with pytest.raises(NodeError, match="port 1 is privileged"):
+        check_endpoint(JobSpec(nnodes="2", rdzv_endpoint="127.0.0.1:1", rdzv_id="r"), owner_uid=1000)
     assert endpoint_address("192.0.2.1", port) is None  # not an address of this machine: a client
 
 

@@ -60,10 +60,13 @@ def endpoint_address(host: str, port: int) -> str | None:
     return None
 
 
-def check_endpoint(spec: JobSpec) -> None:
-    """Blocking, at submit: on the endpoint's host its port must be free (NodeError names it)."""
+def check_endpoint(spec: JobSpec, owner_uid: int = 0) -> None:
+    """Blocking, at submit: on the endpoint's host its port must be free (NodeError names it), and
+    not a privileged one unless root submits (the daemon binds it for the job)."""
     if spec.rdzv_endpoint:
-        endpoint_address(*parse_endpoint(spec.rdzv_endpoint))
+        host, port = parse_endpoint(spec.rdzv_endpoint)
+        if endpoint_address(host, port) is not None and port < 1024 and owner_uid != 0:
+            raise NodeError(f"rdzv_endpoint: port {port} is privileged: only root may have the daemon serve it")
 
 
 def route_address(host: str, port: int) -> str:

@@ -21,20 +21,21 @@ show it.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio
+import msgspec
 import structlog
 
+from ..protocol.limits import clip_text
 from ..protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
-from ..protocol.spec import JobSpec
+from ..protocol.spec import MAX_NPROC, JobSpec
 from .elastic import (
     CLOSE_TIMEOUT,
     NodeError,
@@ -69,6 +70,15 @@ class NodeLayout:
     restart_count: int
 
 
+class NodeRecord(msgspec.Struct, forbid_unknown_fields=True):
+    """What each node's daemon writes about itself in the round's store (read back typed and bounded)."""
+
+    host: Annotated[str, msgspec.Meta(max_length=255)]
+    daemon: Annotated[str, msgspec.Meta(max_length=300)]
+    nproc: Annotated[int, msgspec.Meta(ge=0, le=MAX_NPROC)]
+    state: Annotated[str, msgspec.Meta(max_length=32)]
+
+
 class NodeSession:
     """One multi-node job on this daemon, across its attempts (`form`, `watch`, `settle`, `close`)."""
 
@@ -92,7 +102,7 @@ class NodeSession:
         self.watch_state: NodeWatch | None = None
         self.membership_changes = 0  # re-forms for waiting nodes: not counted against max_restarts
         self.nodes: list[NodeView] = []  # what this daemon knows of the job's nodes (the job view)
-        self.records: dict[int, dict[str, Any]] = {}
+        self.records: dict[int, NodeRecord] = {}
 
     async def _call(self, fn: Callable[..., T], *args: Any, timeout: float) -> T:
         return await call_blocking(fn, *args, timeout=timeout)
@@ -133,21 +143,25 @@ class NodeSession:
             raise NodeError(f"rendezvous {self.spec.rdzv_id}: {type(exc).__name__}: {exc}") from None
         node, nnodes = int(info.rank), int(info.world_size)
         self.round = store = info.store
-        record = {"host": self.address, "daemon": self.daemon, "nproc": nproc, "state": "starting"}
+        record = NodeRecord(host=self.address, daemon=self.daemon, nproc=nproc, state="starting")
         keys = [f"ddpd/node/{n}" for n in range(nnodes)]
 
-        def exchange() -> list[dict[str, Any]]:
-            store.set(keys[node], json.dumps(record))
+        def exchange() -> list[bytes]:
+            store.set(keys[node], msgspec.json.encode(record))
             store.add(f"ddpd/hb/{node}", 1)
             store.wait(keys, timedelta(seconds=self.join_timeout))
-            return [json.loads(v) for v in store.multi_get(keys)]
+            return list(store.multi_get(keys))
 
         try:
-            records = await self._call(exchange, timeout=self.join_timeout + 5)
+            raw = await self._call(exchange, timeout=self.join_timeout + 5)
         except (RuntimeError, TimeoutError) as exc:
-            raise NodeError(f"the nodes of round {nnodes} did not all publish their records: {exc}") from None
+            raise NodeError(f"the {nnodes} nodes did not all publish their records: {exc}") from None
+        try:  # written by other machines: typed and bounded before use
+            records = [msgspec.json.decode(bytes(v), type=NodeRecord) for v in raw]
+        except msgspec.ValidationError as exc:
+            raise NodeError(f"a node published a bad record in the rendezvous store: {exc}") from None
         self.records = dict(enumerate(records))
-        sizes = [int(r["nproc"]) for r in records]
+        sizes = [r.nproc for r in records]
         offset, world = rank_layout(sizes, node)
         self.layout = NodeLayout(node, nnodes, offset, world, self.spec.rdzv_id,
                                  number - 1 - self.membership_changes)
@@ -164,6 +178,8 @@ class NodeSession:
             except (RuntimeError, TimeoutError) as exc:
                 raise NodeError(f"node 0 did not publish its worker store: {exc}") from None
             host, _, port = value.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 255:
+                raise NodeError(f"node 0 published a bad worker store address: {value[:300]!r}")
             rdzv = Rendezvous(host=host, port=int(port), store=None)
         self.watch_state = None
         self._view()
@@ -198,13 +214,13 @@ class NodeSession:
             return watch.verdict(now)
         watch.answered(now)
         for i in range(n):
-            watch.beat(i, int(values[i]), now)
             try:
-                self.records[i] = json.loads(values[n + i])
-            except ValueError:
+                watch.beat(i, int(values[i]), now)
+                self.records[i] = msgspec.json.decode(bytes(values[n + i]), type=NodeRecord)
+            except (ValueError, msgspec.ValidationError):  # another machine's writing: ignored when bad
                 pass
         if failed is not None:
-            watch.failed(failed)
+            watch.failed(clip_text(failed))
         self._view()
         if waiting > 0:
             return Verdict("waiting", node=waiting)
@@ -215,20 +231,21 @@ class NodeSession:
         if verdict.kind == "failed":
             return verdict.detail
         if verdict.kind == "unreachable":
-            host_node = next((i for i, r in self.records.items() if r.get("host") == self.host), None)
+            host_node = next((i for i, r in self.records.items() if r.host == self.host), None)
             who = "the daemon serving the rendezvous" if host_node is None else f"daemon of node {host_node}"
             return (f"{who} unreachable: the rendezvous store at {self.spec.rdzv_endpoint} did not answer for "
                     f"{self.keep_alive:.0f} s")
         if verdict.kind == "waiting":
             return f"{verdict.node} node(s) waiting to join: re-forming"
-        host = self.records.get(verdict.node or 0, {}).get("host", "?")
+        record = self.records.get(verdict.node or 0)
+        host = "?" if record is None else record.host
         return (f"node {verdict.node} (host {host}) lost: no heartbeat in the rendezvous store for "
                 f"{self.keep_alive:.0f} s")
 
     def mark(self, verdict: Verdict) -> None:
         """Show a lost node as such in the job view."""
         if verdict.kind == "lost" and verdict.node in self.records:
-            self.records[verdict.node]["state"] = "lost"
+            self.records[verdict.node].state = "lost"
         self._view()
 
     async def publish(self, state: str, failure: str | None = None) -> None:
@@ -236,12 +253,12 @@ class NodeSession:
         layout, store = self.layout, self.round
         if layout is None or store is None:
             return
-        record = {**self.records.get(layout.node_rank, {}), "host": self.address, "daemon": self.daemon,
-                  "state": state}
+        own = self.records.get(layout.node_rank)
+        record = NodeRecord(host=self.address, daemon=self.daemon, nproc=0 if own is None else own.nproc, state=state)
         self.records[layout.node_rank] = record
 
         def write() -> None:
-            store.set(f"ddpd/node/{layout.node_rank}", json.dumps(record))
+            store.set(f"ddpd/node/{layout.node_rank}", msgspec.json.encode(record))
             if failure is not None:
                 store.compare_set(FAILED_KEY, "", failure)
 
@@ -255,10 +272,9 @@ class NodeSession:
         layout = self.layout
         views = []
         for i, r in sorted(self.records.items()):
-            size = int(r.get("nproc", 0))
-            first = sum(int(self.records.get(j, {}).get("nproc", 0)) for j in range(i))
-            views.append(NodeView(node_rank=i, host=str(r.get("host", "")), daemon=str(r.get("daemon", "")),
-                                  state=str(r.get("state", "")), ranks=list(range(first, first + size)),
+            first = sum(self.records[j].nproc for j in range(i) if j in self.records)
+            views.append(NodeView(node_rank=i, host=r.host, daemon=r.daemon, state=r.state,
+                                  ranks=list(range(first, first + r.nproc)),
                                   local=layout is not None and i == layout.node_rank))
         self.nodes[:] = views
 
@@ -276,7 +292,7 @@ class NodeSession:
                     log.warning("nodes.shutdown_failed")
             if self.serving and self.round is not None and self.layout is not None:
                 with anyio.move_on_after(self.keep_alive):
-                    while not all(r.get("state") in FINAL for r in self.records.values()):
+                    while not all(r.state in FINAL for r in self.records.values()):
                         await anyio.sleep(self.interval)
                         verdict = await self.poll(time.monotonic())
                         if verdict is not None and verdict.kind in ("lost", "unreachable"):

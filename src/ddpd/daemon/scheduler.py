@@ -112,7 +112,7 @@ class Scheduler:
             return existing, True
         spec = await admit(spec, self.config, self.resources)
         try:
-            await anyio.to_thread.run_sync(check_endpoint, spec)  # its port is free where this daemon serves it
+            await anyio.to_thread.run_sync(check_endpoint, spec, owner_uid)  # free, where this daemon serves it
         except NodeError as exc:
             raise SpecError("rdzv_endpoint", str(exc).removeprefix("rdzv_endpoint: ")) from None
         while key is not None and (pending := self._pending_keys.get(key)) is not None:

@@ -95,7 +95,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     rdzv_endpoint: Annotated[str, msgspec.Meta(max_length=300)] = ""  # HOST:PORT
     rdzv_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     rdzv_backend: Literal["c10d"] = "c10d"
-    rdzv_keep_alive: Seconds | None = None  # a node silent this long is lost (daemon default)
+    rdzv_keep_alive: Annotated[float, msgspec.Meta(ge=1, le=3600)] | None = None  # a silent node is lost
     rdzv_last_call: Annotated[float, msgspec.Meta(ge=0, le=3600)] | None = None  # wait after MIN nodes joined
 
 
