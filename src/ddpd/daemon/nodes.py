@@ -280,12 +280,13 @@ class NodeSession:
 
     # -- the end ---------------------------------------------------------------------------
 
-    async def close(self, state: str) -> None:
-        """The job ended here: say so, close the rendezvous (torchrun's shutdown), and when serving it,
-        keep the store up until every node has said it ended (at most keep_alive)."""
+    async def close(self, state: str, final: bool = True) -> None:
+        """The job ended here (`final`; else it goes back to the queue and will join again): say so,
+        close the rendezvous if it ended (torchrun's shutdown), and when serving it, keep the store
+        up until every node has said it ended (at most keep_alive)."""
         try:
             await self.publish(state)
-            if self.handler is not None:
+            if self.handler is not None and final:
                 try:
                     await self._call(self.handler.shutdown, timeout=CLOSE_TIMEOUT)
                 except (RuntimeError, TimeoutError):

@@ -227,7 +227,8 @@ class Scheduler:
         finally:
             if nodes is not None:
                 with anyio.CancelScope(shield=True):
-                    await nodes.close(job.state.value.lower() if job.state.final else "stopped")
+                    final = job.state.final
+                    await nodes.close(job.state.value.lower() if final else "stopped", final=final)
 
     async def _attempt_loop(self, job: Job, timeouts: dict[str, Any], nodes: NodeSession | None) -> None:
         while True:
