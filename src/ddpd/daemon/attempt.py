@@ -8,6 +8,11 @@ and the attempt sleeps on its `Clock` until then (or until a frame moves a deadl
 conclusion wins (the rest is collateral); `teardown` escalates against one deadline over the
 attempt's `gang`, shielded, and ends only when no process of the attempt is left.
 
+A multi-node attempt (`nodes`, the job's `NodeSession`) forms through torch's elastic rendezvous
+instead of binding its own store (unless it is node rank 0), starts this node's ranks at their
+global ranks (`layout`), runs the node watch beside its ranks (`multinode.watch_nodes`), and after
+the teardown settles the root cause with the other nodes (`multinode.settle`).
+
 Every rank's tasks are bound to ``job_id``, ``attempt`` and ``rank`` in structlog's contextvars.
 """
 
