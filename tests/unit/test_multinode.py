@@ -13,12 +13,13 @@ from ddpd.cli.render import job_detail
 from ddpd.cli.specs import spec_from_options
 from ddpd.daemon.elastic import NodeError, check_endpoint, endpoint_address
 from ddpd.daemon.launch import rank_env
+from ddpd.daemon.multinode import own_fault
 from ddpd.daemon.nodes import NodeLayout
 from ddpd.daemon.nodewatch import NodeWatch, Verdict
 from ddpd.daemon.records import Job
 from ddpd.daemon.rendezvous import Rendezvous
 from ddpd.protocol import JobSpec, JobState, SpecError, check_spec
-from ddpd.protocol.control import JobView
+from ddpd.protocol.control import JobView, RootCause
 from ddpd.protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
 
 
@@ -137,3 +138,12 @@ def test_submit_flags_and_status_speak_torchrun(tmp_path: Path) -> None:
     console.print(job_detail(view, 0.0))
     text = console.export_text()
     assert "0*" in text and "10.0.0.2" in text and "lost" in text and "2-3" in text
+
+
+def test_only_a_nodes_own_failure_is_published_as_the_root_cause() -> None:
+    killed = RootCause(reason="rank_failed", rank=3, signal="SIGKILL", detail="rank 3 died of signal SIGKILL")
+    own = RootCause(reason="rank_failed", rank=2, error="ValueError", message="bad batch")
+    peers_gone = RootCause(reason="rank_failed", rank=2, error="DistBackendError", message="Connection closed by peer")
+    assert own_fault(killed) and own_fault(own)
+    assert not own_fault(peers_gone) and not own_fault(None)
+    assert not own_fault(RootCause(reason="node_lost", detail="node 1 (host b) lost"))

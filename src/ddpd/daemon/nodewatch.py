@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str  # "lost", "unreachable" or "failed"
-    node: int | None = None  # the lost node's rank (lost)
+    kind: str  # "lost", "unreachable" or "failed" (and "waiting", from the rendezvous, in NodeSession.poll)
+    node: int | None = None  # the lost node's rank (lost); how many nodes wait to join (waiting)
     detail: str = ""  # the text another node wrote (failed)
 
 
