@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # workers halve the suite on a 2-core machine (tests that create users share one worker)
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test lint unit bench bench-short clean
+.PHONY: setup demo test lint unit bench bench-short bench-pool clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,9 @@ bench: setup
 
 bench-short: setup
 	$(BIN)/python -m benchmarks --short
+
+bench-pool: setup
+	$(BIN)/python -m benchmarks.pool
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

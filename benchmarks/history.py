@@ -61,7 +61,7 @@ async def start_with_history(ctx: Ctx, name: str, jobs: int) -> tuple[float, flo
     state = ctx.base / f"{name}-state"
     await anyio.to_thread.run_sync(fill_history, state, jobs)
     t0 = time.perf_counter()
-    d = await start_daemon(ctx.base, name, flags=["--state-dir", str(state), "--gpus", "0"])
+    d = await start_daemon(ctx.base, name, flags=["--state-dir", str(state), "--gpus", "0", "--pool-size", "0"])
     seconds = time.perf_counter() - t0
     try:
         jobs_seen = len(await d.client.list_jobs(limit=10))

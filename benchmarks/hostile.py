@@ -181,7 +181,7 @@ async def bench_hostile(ctx: Ctx) -> None:
     ctx.console.print(f"[bold]hostile[/bold] (ping round trips while one attack runs; {window:.0f} s windows, "
                       f"{floods} floods)")
     defaults = {"max_connections": 256}  # the default, written so that a reload has a file to read
-    d = await start_daemon(ctx.base, "ddpd-hostile", config=defaults, flags=["--gpus", "0"])
+    d = await start_daemon(ctx.base, "ddpd-hostile", config=defaults, flags=["--gpus", "0", "--pool-size", "0"])
     rows: list[tuple[str, Pings, str]] = []
     try:
         async def measure(label: str, attack: Callable[[Pings], Awaitable[str]]) -> None:

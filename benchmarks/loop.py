@@ -185,7 +185,8 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="ddpd-loop-") as tmp:
         base = Path(tmp)
-        daemon = await start_daemon(base, "loop", config={"cpu_slots": max(args.nproc, os.cpu_count() or 1)})
+        daemon = await start_daemon(base, "loop", config={"cpu_slots": max(args.nproc, os.cpu_count() or 1),
+                                                              "pool_size": 0})
         try:
             for n in range(args.rounds):
                 rates: dict[str, float] = {}

@@ -128,7 +128,8 @@ class DaemonProc:
 
 def daemon_argv(socket_path: Path, state_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ddpd.daemon", "serve", "--socket", str(socket_path),
-            "--state-dir", str(state_dir), "--log-format", "json", "--allow-root-jobs", *extra]
+            "--state-dir", str(state_dir), "--log-format", "json", "--allow-root-jobs",
+            "--pool-size", "0", *extra]  # no warm pool unless a test asks for one (a later flag wins)
 
 
 async def start_daemon(

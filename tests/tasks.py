@@ -133,12 +133,13 @@ def garbage_to_daemon(ctx: TaskContext) -> Task:
 
 
 def fifo_log_then_hang(ctx: TaskContext) -> Task:
-    """Rank `options["rank"]` replaces its own rank log by a FIFO (that nobody writes) at step
-    `options["at_step"]`, then blocks forever (prints ``HANGING at step N`` first, into the real log)."""
+    """Rank `options["rank"]` replaces its own stderr log (where the daemon reads its stack dumps) by a
+    FIFO (that nobody writes) at step `options["at_step"]`, then blocks forever (prints ``HANGING at
+    step N`` first, into its stdout log)."""
     import os
 
     def action(step: int) -> None:
-        path = os.readlink("/proc/self/fd/1")  # the rank log the daemon opened for it
+        path = os.readlink("/proc/self/fd/2")  # the stderr log the daemon opened for it
         print(f"HANGING at step {step}", flush=True)
         os.unlink(path)
         os.mkfifo(path)

@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from ddpd.daemon.records import stderr_log
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.anyio
 
 
 def _log(path: str | None) -> str:
+    """A rank's stderr (``rank-<r>.err`` beside its log), where its stack dumps go."""
     assert path is not None
-    return Path(path).read_text(errors="replace")
+    return Path(stderr_log(path)).read_text(errors="replace")
 
 
 async def test_rank_stuck_while_its_peer_waits_in_a_collective(daemon: DaemonProc) -> None:
@@ -118,6 +120,6 @@ async def test_rank_log_replaced_by_a_fifo_does_not_freeze_the_daemon(daemon: Da
     rc = job.root_cause
     # rank 1's stack dump cannot be read (its log is a FIFO), so both frozen ranks are named
     assert rc is not None and rc.reason == "progress_timeout" and 1 in (rc.ranks or []), rc
-    assert stat.S_ISFIFO(os.lstat(job.ranks[1].log or "").st_mode)
+    assert stat.S_ISFIFO(os.lstat(stderr_log(job.ranks[1].log or "")).st_mode)
     await daemon.client.ping()
     assert_nothing_left([job])

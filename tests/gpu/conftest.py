@@ -59,10 +59,11 @@ def needs_gpus(n: int) -> pytest.MarkDecorator:
 
 
 def log_of(job: JobView, rank: int) -> str:
-    """The text of a rank's log."""
+    """The text of a rank's logs: its stdout, then its stderr (``rank-<r>.err`` beside it)."""
     path = job.ranks[rank].log
     assert path is not None, job.ranks[rank]
-    return Path(path).read_text(errors="replace")
+    err = Path(path.removesuffix(".log") + ".err")
+    return Path(path).read_text(errors="replace") + (err.read_text(errors="replace") if err.exists() else "")
 
 
 @pytest.fixture

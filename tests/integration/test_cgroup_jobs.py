@@ -33,7 +33,7 @@ async def test_a_setsid_double_forked_escapee_is_killed_through_the_cgroup(daemo
     ready = await daemon.wait_log(lambda e: e.get("event") in ("cgroup.ready", "cgroup.unavailable"))
     assert ready["event"] == "cgroup.ready", ready
     jobs_cgroup = Path(ready["path"])
-    view = await daemon.run(daemon.spec(script=[ESCAPE], nproc=1))
+    view = await daemon.run(daemon.spec(script=[ESCAPE], nproc=1, memory=1 << 30, cpus=1.5))
     assert view.state == "SUCCEEDED", view.root_cause
     text = ""
     async with daemon.client.logs(view.id) as chunks:
@@ -46,6 +46,13 @@ async def test_a_setsid_double_forked_escapee_is_killed_through_the_cgroup(daemo
     assert killed and killed[0].data.get("via") == "cgroup" and escapee in killed[0].data["pids"], killed
     spawned = [e for e in events if e.kind == "rank.spawned"]
     assert spawned
+    # --mem and --cpus: written where the daemon has the controller, else unavailable with its reason
+    [limits] = [e.data for e in events if e.kind == "job.limits"]
+    for controller, filename in (("memory", "memory.max"), ("cpu", "cpu.max")):
+        if controller in ready["controllers"]:
+            assert filename in limits["applied"], limits
+        else:
+            assert "limit not applied" in limits["unavailable"][controller], limits
     # the attempt's cgroup is gone with it
     assert not await anyio.Path(jobs_cgroup / f"{view.id}-a1").exists()
 

@@ -123,13 +123,13 @@ async def test_submit_follow_exit_codes_and_bad_specs(daemon: DaemonProc) -> Non
     job_id, *log = out(done).splitlines()
     assert "[rank 0] rank 0 of 1 ok" in log and "SUCCEEDED" in err(done)
 
-    done = await ddpctl(daemon, "submit", "-f", "-m", "tests.scripts.show_env", "--", "--steps", "1")
+    done = await ddpctl(daemon, "submit", "--follow", "-m", "tests.scripts.show_env", "--", "--steps", "1")
     assert done.returncode == 0, err(done)
     module_id = out(done).splitlines()[0]
     assert "[rank 0] rank 0 of 1 ok" in out(done)
     assert (await daemon.client.status(module_id)).spec.script == ["tests.scripts.show_env", "--steps", "1"]
 
-    done = await ddpctl(daemon, "submit", "-f", "--", "tests/scripts/show_env.py", "--exit-code", "3")
+    done = await ddpctl(daemon, "submit", "--follow", "--", "tests/scripts/show_env.py", "--exit-code", "3")
     assert done.returncode == 1
     failed_id = out(done).splitlines()[0]
     assert "FAILED" in err(done) and "exit 3" in err(done)

@@ -55,10 +55,10 @@ def public_tmp() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def shared_daemon(base: Path, *flags: str) -> AsyncIterator[DaemonProc]:
+async def shared_daemon(base: Path, *flags: str, config_text: str = "") -> AsyncIterator[DaemonProc]:
     """A root daemon whose socket everyone may use, with a variable of its own in its environment."""
     config = base / "ddpd.toml"
-    config.write_text('socket_mode = "0666"\n')
+    config.write_text('socket_mode = "0666"\n' + config_text)
     async with running_daemon(base, "--config", str(config), "--gpus", "0", *flags,
                               env={"DAEMON_SETTING": "daemon"}) as d:
         yield d
@@ -190,25 +190,49 @@ async def test_other_users_see_that_a_job_exists_and_nothing_more(
         assert (await d.client.status(job_id)).name == "ann-secret-name"  # root sees it all
 
 
-async def test_a_pooled_interpreter_never_serves_another_user(
+def as_cold_start(report: dict[str, Any], job_id: str) -> dict[str, Any]:
+    """What a rank reported, less what differs from one job to the next (its ids, port and pid)."""
+    same = {k: v for k, v in report.items() if k != "pid"}
+    same["environ"] = {k: v for k, v in report["environ"].items() if job_id not in v and k != "MASTER_PORT"}
+    same["cgroup"] = report["cgroup"].replace(job_id, "JOB")
+    return same
+
+
+async def test_the_pool_keeps_a_users_shape_warm_and_serves_no_one_else(
     users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:
-    """The warm pool's interpreters are the daemon's (its user, interpreter and environment): a job
-    submitted with its own user, interpreter or environment starts cold, and the pool keeps its worker."""
-    ann, _ = users
-    async with shared_daemon(public_tmp, "--pool-size", "1") as d:
-        ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready", TIMEOUT)
-        pooled = int(ready["pid"])
-        job_id = await submit_as(ann, d, "--python", USER_PYTHON, "--", SHOW)
-        with anyio.fail_after(TIMEOUT):
-            view = await d.client.wait(job_id)
-        assert view.state == "SUCCEEDED", view.root_cause
-        assert [r.pid for r in view.ranks] != [pooled]
-        spawned = [e for e in [e async for e in d.client.events(job_id)] if e.kind == "rank.spawned"]
-        assert spawned and not any(e.data.get("pooled") for e in spawned)
-        os.kill(pooled, 0)  # still there, still the daemon's, for the daemon's own kind of job
-        assert os.stat(f"/proc/{pooled}").st_uid == os.geteuid()
-        assert (await d.client.daemon_info()).pool_ready == 1
+    """A job of a (user, interpreter, environment) leaves that shape warm: an interpreter started as
+    that user. Another user's job of the same interpreter runs cold, and the next job of the shape
+    runs on the pooled interpreter, which is then the cold start it stands in for: the same uid,
+    groups, umask, environment, interpreter, working directory and cgroup."""
+    ann, bob = users
+    async with shared_daemon(public_tmp, "--pool-size", "2", config_text="pool_per_key = 1\n") as d:
+        runs: list[tuple[str, dict[str, Any], list[Any]]] = []
+        for who in (ann, bob, ann):
+            job_id = await submit_as(who, d, "--python", USER_PYTHON, "--", SHOW, MY_SETTING="hello")
+            with anyio.fail_after(TIMEOUT):
+                view = await d.client.wait(job_id)
+            assert view.state == "SUCCEEDED", view.root_cause
+            done = await as_user(who, d, "logs", job_id, "--no-prefix")
+            [seen] = reports(done.stdout.decode())
+            spawned = [e for e in [e async for e in d.client.events(job_id)] if e.kind == "rank.spawned"]
+            runs.append((job_id, seen, [e.data.get("pooled") for e in spawned]))
+            if len(runs) == 1:  # the pool learned ann's shape: an interpreter of hers, started as her
+                ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready" and e.get("uid") == ann.uid,
+                                         TIMEOUT)
+                pooled = int(ready["pid"])
+                assert os.stat(f"/proc/{pooled}").st_uid == ann.uid
+        # two in all: the keys used last (ann's, bob's) took the room of the daemon's own key
+        retired = await d.wait_log(lambda e: e.get("event") == "pool.worker_retired", TIMEOUT)
+        assert retired["uid"] == os.geteuid()
+        (cold_id, cold, cold_pooled), (_, bobs, bob_pooled), (warm_id, warm, warm_pooled) = runs
+        assert cold_pooled == [None] and bob_pooled == [None] and bobs["uid"] == bob.uid
+        assert warm_pooled == [True] and warm["pid"] == pooled
+        warm_env, cold_env = as_cold_start(warm, warm_id)["environ"], as_cold_start(cold, cold_id)["environ"]
+        assert warm_env == cold_env, {k: (warm_env.get(k), cold_env.get(k)) for k in {*warm_env, *cold_env}
+                                      if warm_env.get(k) != cold_env.get(k)}
+        assert as_cold_start(warm, warm_id) == as_cold_start(cold, cold_id)
+        assert warm["uid"] == ann.uid and warm["env"]["MY_SETTING"] == "hello" and warm["env"]["DAEMON_SETTING"] is None
 
 
 async def test_a_per_user_daemon_serves_its_own_user_only(
@@ -225,7 +249,7 @@ async def test_a_per_user_daemon_serves_its_own_user_only(
     os.chown(config, ann.uid, ann.gid)
     sock, state = home / "ddpd.sock", home / "state"
     argv = [USER_PYTHON, "-m", "ddpd.daemon", "serve", "--socket", str(sock), "--state-dir", str(state),
-            "--config", str(config), "--log-format", "json", "--gpus", "0"]
+            "--config", str(config), "--log-format", "json", "--gpus", "0", "--pool-size", "0"]
     async with anyio.create_task_group() as tg:
         proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=str(home),
                                         env=user_env(HOME=str(home)), user=ann.uid, group=ann.gid,

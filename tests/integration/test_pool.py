@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 
+from ddpd.daemon.records import stderr_log
 from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView
 
@@ -153,6 +154,7 @@ SCRIPT = textwrap.dedent("""
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
     print(f"SUM {t.item()}", flush=True)
+    print(f"ERR {dist.get_rank()}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 """)
 
@@ -193,6 +195,8 @@ async def test_script_job_on_the_pool_gets_torchrun_env(pool_daemon: DaemonProc,
         assert seen["cwd"] == str(tmp_path) and seen["pid"] == r.pid
         assert seen["child_marker"].startswith(f"{job.id}:1:"), "children do not inherit DDPD_ATTEMPT"
         assert "SUM 3.0" in _read(r.log)
+        # a pooled rank's stderr is kept apart from its stdout, as a cold rank's is
+        assert "ERR" not in _read(r.log) and f"ERR {r.rank}" in _read(stderr_log(r.log))
 
 
 async def test_job_setting_startup_variables_runs_cold(pool_daemon: DaemonProc) -> None:

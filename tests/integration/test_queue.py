@@ -43,7 +43,11 @@ async def test_jobs_share_gpus_without_overlap_and_a_third_waits(short_tmp: Path
             await wait_waiting_at_gate(d, job_id)
         # both GPUs are taken: the third job waits, though CPU slots are free
         third = await d.client.status(ids[2])
-        assert third.state == JobState.QUEUED and third.ranks == []
+        assert third.state == JobState.QUEUED and third.ranks == [] and third.queue_position == 1
+        # each rank's GPU in status (memory only where NVML sees the process: never for these fake GPUs)
+        assert {g.index for j in ids[:2] for r in (await d.client.status(j)).ranks for g in r.gpus} == {0, 1}
+        info = await d.client.daemon_info()
+        assert info.gpu_devices or info.gpu_note  # the figures, or why there are none
         seen = {job_id: (await rank_reports(d.client, job_id))[0] for job_id in ids[:2]}
         assert sorted(r["CUDA_VISIBLE_DEVICES"] for r in seen.values()) == ["0", "1"]
         assert all(r["LOCAL_RANK"] == "0" for r in seen.values())
@@ -105,6 +109,11 @@ async def test_priority_goes_first_then_fifo(short_tmp: Path) -> None:
         high = await d.client.submit(d.spec(name="high", steps=1, priority=5))
         low2 = await d.client.submit(d.spec(name="low2", steps=1))
         urgent = await d.client.submit(d.spec(name="urgent", steps=1, priority=9))
+        # the place in line is the scheduler's order, for the owner and in the list
+        assert [(await d.client.status(j)).queue_position for j in (blocker, urgent, high, low1, low2)] == [
+            None, 1, 2, 3, 4]
+        listed = await d.client.list_jobs(all=False)
+        assert {v.id: v.queue_position for v in listed} == {blocker: None, urgent: 1, high: 2, low1: 3, low2: 4}
         gate.touch()
         views = await _finish(d, [blocker, low1, high, low2, urgent])
         assert [v.state for v in views] == ["SUCCEEDED"] * 5

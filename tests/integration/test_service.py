@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ddpd.client import AsyncClient
 from ddpd.protocol import JobState
@@ -478,8 +479,17 @@ async def test_metrics_endpoint(short_tmp: Path) -> None:
         assert _sample(text, 'ddpd_jobs{state="RUNNING"}') == 1
         assert _sample(text, 'ddpd_ranks{state="TRAINING"}') == 2
         assert _sample(text, "ddpd_launch_seconds_count") == 1
-        age = _sample(text, f'ddpd_rank_heartbeat_age_seconds{{job_id="{job_id}",attempt="1",rank="1"}}')
+        series = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                  for family in text_string_to_metric_families(text) for s in family.samples}
+        age = series[("ddpd_rank_heartbeat_age_seconds", (("attempt", "1"), ("job_id", job_id), ("rank", "1")))]
         assert 0 <= age < 60
+        assert series[("ddpd_job_step", (("job_id", job_id),))] >= 2
+        assert ("ddpd_job_loss", (("job_id", job_id),)) in series
+        for rank in ("0", "1"):
+            labels = (("attempt", "1"), ("job_id", job_id), ("rank", rank))
+            assert series[("ddpd_rank_resident_memory_bytes", labels)] > 10 * 2**20  # torch is loaded
+            assert series[("ddpd_rank_cpu_seconds_total", labels)] > 0
+        assert series[("process_resident_memory_bytes", ())] > 0
         await d.client.cancel(job_id)
         with anyio.fail_after(60):
             job = await d.client.wait(job_id)

@@ -1,16 +1,19 @@
-"""ddpctl's pure parts: what a cancel says it did, and the spec that submit's options build."""
+"""ddpctl's pure parts: what a cancel says it did, the spec that submit's options build, and how log
+lines are written."""
 
 from __future__ import annotations
 
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
 import pytest
 
+from ddpd.cli.output import LogWriter
 from ddpd.cli.render import cancel_line
 from ddpd.cli.specs import spec_from_options, typed_value
-from ddpd.client import CancelResult, JobSpec, JobView, SpecError, Timeouts
+from ddpd.client import CancelResult, JobSpec, JobView, LogChunk, SpecError, Timeouts
 
 
 def view(state: str, spec: JobSpec | None = None) -> JobView:
@@ -42,3 +45,37 @@ def test_submit_options_build_the_spec(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(SpecError) as caught:
         spec_from_options({"nproc": 0}, ())
     assert caught.value.field == "nproc"
+
+
+def test_a_waiting_job_says_on_what_and_after_takes_lists() -> None:
+    from rich.console import Console
+
+    from ddpd.cli.render import job_detail
+
+    waiting = JobView(id="j5-aaaa", name="", state="QUEUED", owner_uid=0, submitted_at=0.0,
+                      spec=JobSpec(after=["j3-bbbb", "j4-cccc"]), waiting_on=["j4-cccc"])
+    console = Console(width=120, record=True)
+    console.print(job_detail(waiting, 1.0))
+    text = console.export_text()
+    assert "after       j3-bbbb, j4-cccc" in text and "waiting on  j4-cccc" in text
+    spec = spec_from_options({"after": ("j3,j4", " j5 ")}, ())
+    assert spec.after == ["j3", "j4", "j5"]
+
+
+def test_log_lines_get_their_rank_and_stamp_and_partial_lines_wait_per_stream(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    when = datetime(2026, 12, 3, 17, 35, 44, 250_000, tzinfo=UTC).timestamp()
+    writer = LogWriter(prefix=True, timestamps=True)
+    writer.write(LogChunk(rank=1, attempt=1, text="out 1\nout par", stream="stdout", time=when))
+    writer.write(LogChunk(rank=1, attempt=1, text="err 1\n", stream="stderr", time=when))
+    writer.write(LogChunk(rank=1, attempt=1, text="t\n", stream="stdout", time=when + 1))
+    writer.finish()
+    assert capsys.readouterr().out.splitlines() == [
+        "2026-12-03T17:35:44.250Z [rank 1] out 1",
+        "2026-12-03T17:35:44.250Z [rank 1] err 1",
+        "2026-12-03T17:35:45.250Z [rank 1] out part",  # a line takes the stamp of the chunk that ends it
+    ]
+    plain = LogWriter(prefix=False)
+    plain.write(LogChunk(rank=0, attempt=1, text="as is", stream="stdout", time=when))
+    plain.finish()
+    assert capsys.readouterr().out == "as is"  # no prefix and no stamp: the text as written

@@ -9,19 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import anyio
 import pytest
 
 from ddpd.daemon.logrotate import (
     LINE_SEARCH,
     Plan,
     RotationError,
-    Throttle,
     line_start,
     open_live_log,
     plan,
     rotate,
-    rotate_in_thread,
 )
 
 from ..conftest import assert_gone
@@ -60,16 +57,6 @@ def test_line_start_skips_a_partial_first_line() -> None:
     assert line_start(b"only the end\n") == 0  # nothing would be left after the cut
     assert line_start(b"") == 0
     assert line_start(b"x" * LINE_SEARCH + b"\nmore") == 0  # too far: keep the bytes as they are
-
-
-def test_throttle_allows_one_check_per_interval() -> None:
-    t = Throttle(1.0)
-    assert t.ready(100.0)
-    assert not t.ready(100.5)
-    assert not t.ready(100.999)
-    assert t.ready(101.0)
-    assert not t.ready(101.2)
-    assert t.ready(105.0)
 
 
 def test_a_log_within_the_limit_is_left_alone(tmp_path: Path) -> None:
@@ -187,16 +174,3 @@ def test_rotating_an_fd_needs_the_backup_path(tmp_path: Path) -> None:
             rotate(fd, 5)
     finally:
         os.close(fd)
-
-
-@pytest.mark.anyio
-async def test_rotate_in_thread_runs_off_the_loop(tmp_path: Path) -> None:
-    log = tmp_path / "rank-3.log"
-    log.write_bytes(b"w\n" * 300)
-    fd = open_live_log(log)
-    try:
-        with anyio.fail_after(10):
-            done = await rotate_in_thread(fd, 200, tmp_path / "rank-3.log.1")
-    finally:
-        os.close(fd)
-    assert done is not None and done.kept == 100 and log.stat().st_size == 0

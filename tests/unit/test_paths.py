@@ -105,3 +105,18 @@ def test_the_daemon_refuses_a_default_runtime_directory_someone_else_made(tmp_pa
         prepare_socket_path(taken / "ddpd.sock")
     os.chown(taken, 0, 0)
     prepare_socket_path(taken / "ddpd.sock")  # the user's own: accepted
+
+
+def test_a_users_directories_come_from_platformdirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddpd.protocol import paths
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert paths.user_runtime_dir() == runtime / "ddpd"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr(paths.os, "getuid", lambda: 54321)  # a user's daemon, not root's
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    assert paths.daemon_state_dir() == tmp_path / "state" / "ddpd"
+    monkeypatch.setattr(paths.os, "getuid", lambda: 0)  # root keeps the system's directory
+    assert paths.daemon_state_dir() == Path("/var/lib/ddpd")

@@ -48,6 +48,9 @@ def _decode(spec: dict[str, Any]) -> JobSpec:
     ({"workdir": "/" + "w" * 5000}, "workdir"),
     ({"script": ["a"] * 257}, "script"),
     ({"script": ["a", "b" * 5000]}, "script"),
+    ({"after": [f"j{i}" for i in range(33)]}, "after"),
+    ({"after": [""]}, "after"),
+    ({"after": ["j" * 65]}, "after"),
 ])
 def test_out_of_bounds_fields_are_refused_at_decode(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(FrameError) as err:

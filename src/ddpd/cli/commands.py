@@ -15,9 +15,25 @@ from typing import Any, TypeVar
 
 import click
 
-from ddpd.client import AsyncClient, Client, DaemonUnavailable, ErrorCode, JobState, JobView, RemoteError, SpecError
+from ddpd.client import (
+    MAX_TAIL,
+    AsyncClient,
+    Client,
+    DaemonUnavailable,
+    ErrorCode,
+    JobState,
+    JobView,
+    LogStream,
+    QueryError,
+    RemoteError,
+    SpecError,
+    parse_rank_set,
+    parse_since,
+)
 
-from . import render
+from . import curves, render
+from .completion import SHELLS, complete_job_ids, completion_script
+from .jobfile import job_defaults, read_job_file
 from .output import LogWriter, error, note, print_json, stdout
 from .specs import spec_from_options, spec_options
 from .stacks import show_stacks
@@ -117,11 +133,26 @@ def cli(socket_path: Path | None) -> None:
     """Submit, watch and control PyTorch DDP jobs run by the ddpd daemon."""
 
 
+_JOB_SCRIPT = "ddpd.job_file_script"
+
+
+def _load_job_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """Eager: the job file's keys become the defaults of the other options (flags win over them)."""
+    if value is not None:
+        defaults, script = job_defaults(ctx.command, value, read_job_file(value))
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
+        ctx.meta[_JOB_SCRIPT] = tuple(script)
+    return value
+
+
 @cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("-f", "--file", "job_file", type=click.Path(path_type=Path, dir_okay=True), is_eager=True,
+              expose_value=False, callback=_load_job_file, metavar="JOB.toml",
+              help="A job file: TOML whose keys are these options (flags given here win) and `script`.")
 @spec_options
 @click.option("--idempotency-key", default=None, metavar="KEY",
               help="Submit at most once under KEY: a retry with the same KEY prints the job it created.")
-@click.option("-f", "--follow", is_flag=True, help="Stream the logs until the job ends; exit 0 only on success.")
+@click.option("--follow", is_flag=True, help="Stream the logs until the job ends; exit 0 only on success.")
 @_socket_option
 @click.argument("script", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT ARGS...]")
 def submit(idempotency_key: str | None, follow: bool, socket_path: Path | None, script: tuple[str, ...],
@@ -129,8 +160,10 @@ def submit(idempotency_key: str | None, follow: bool, socket_path: Path | None, 
     """Submit a job and print its id.
 
     Without a script, every rank runs a task's training loop. After `--`, every rank runs an
-    unmodified torchrun script (or, with -m, a module) with its arguments.
+    unmodified torchrun script (or, with -m, a module) with its arguments. With -f, the job
+    file gives the options and the script; what the command line gives wins.
     """
+    script = script or click.get_current_context().meta.get(_JOB_SCRIPT, ())
     spec = spec_from_options(options, script)
     client = _client(socket_path)
     result = client.submit_result(spec, idempotency_key=idempotency_key)
@@ -153,6 +186,30 @@ def _follow_to_end(client: Client, job_id: str) -> JobView:
     view = client.wait(job_id)
     _report_final(view)
     return view
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--idempotency-key", default=None, metavar="KEY",
+              help="Submit at most once under KEY: a retry with the same KEY prints the job it created.")
+@_socket_option
+def resubmit(job_id: str, idempotency_key: str | None, socket_path: Path | None) -> None:
+    """Submit JOB's spec again (its environment and interpreter as then) and print the new job's id."""
+    result = _client(socket_path).resubmit(job_id, idempotency_key=idempotency_key)
+    click.echo(result.job_id)
+    if result.existing:
+        note(f"job {result.job_id} was already submitted with this idempotency key")
+
+
+@cli.command()
+@click.argument("shell", type=click.Choice(SHELLS))
+def completion(shell: str) -> None:
+    """Print the shell completion script for SHELL (job ids complete from the daemon).
+
+    bash: eval "$(ddpctl completion bash)" in ~/.bashrc; zsh: the same in ~/.zshrc;
+    fish: ddpctl completion fish > ~/.config/fish/completions/ddpctl.fish
+    """
+    click.echo(completion_script(cli, shell))
 
 
 @cli.command()
@@ -227,21 +284,39 @@ def remove(job_id: str, socket_path: Path | None) -> None:
 
 @cli.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("--rank", type=int, default=None, help="Only this rank [default: all, each line prefixed].")
+@click.option("--rank", "rank_set", default=None, metavar="RANKS",
+              help="Only these ranks: 0, 0,2-3 [default: all, each line prefixed unless one rank].")
 @click.option("--attempt", type=int, default=None, help="This attempt [default: the daemon's choice].")
 @click.option("-f", "--follow", is_flag=True, help="Keep following until the job ends.")
+@click.option("--tail", type=click.IntRange(0, MAX_TAIL), default=None, metavar="N",
+              help="Only the last N lines of each rank (then follow, with -f).")
+@click.option("--since", default=None, metavar="WHEN",
+              help="Only lines received since WHEN: 30s, 10m, 2h, 1d ago, or an ISO-8601 time.")
+@click.option("--stream", type=click.Choice(["stdout", "stderr", "both"]), default="both", show_default=True,
+              help="Which output of the ranks (kept apart on disk; both: merged by the time received).")
+@click.option("-t", "--timestamps", is_flag=True, help="Prefix each line with the time the daemon received it (UTC).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix lines with their rank.")
-@_text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text}).")
+@_text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text, stream, time}).")
 @_socket_option
-def logs(job_id: str, rank: int | None, attempt: int | None, follow: bool, no_prefix: bool, output: str,
-         socket_path: Path | None) -> None:
-    """Print the logs of JOB as they are (stdout and stderr of its ranks)."""
-    with _client(socket_path).logs(job_id, rank=rank, attempt=attempt, follow=follow) as chunks:
+def logs(job_id: str, rank_set: str | None, attempt: int | None, follow: bool, tail: int | None, since: str | None,
+         stream: LogStream, timestamps: bool, no_prefix: bool, output: str, socket_path: Path | None) -> None:
+    """Print the logs of JOB (stdout and stderr of its ranks, by the time the daemon received them)."""
+    try:
+        ranks = parse_rank_set(rank_set) if rank_set is not None else None
+    except QueryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--rank") from None
+    try:
+        start = parse_since(since, time.time()) if since is not None else None
+    except QueryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from None
+    with _client(socket_path).logs(job_id, attempt=attempt, follow=follow, ranks=ranks, stream=stream, tail=tail,
+                                   since=start) as chunks:
         if output == "json":
             for chunk in chunks:
                 print_json(chunk)
             return
-        writer = LogWriter(prefix=rank is None and not no_prefix)
+        one = ranks is not None and len(ranks) == 1
+        writer = LogWriter(prefix=not one and not no_prefix, timestamps=timestamps)
         try:
             for chunk in chunks:
                 writer.write(chunk)
@@ -322,6 +397,51 @@ def watch(job_id: str | None, output: str, socket_path: Path | None) -> None:
         if output != "json":
             _report_final(view)
         _exit_for(view)
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--png", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Write the plot to FILE as a PNG (needs matplotlib: the extra 'plot').")
+@click.option("--size", default="800x480", show_default=True, metavar="WxH", help="Size of the PNG in pixels.")
+@_socket_option
+def plot(job_id: str, png: Path | None, size: str, socket_path: Path | None) -> None:
+    """Draw JOB's loss curve against the step: in the terminal, or (--png) as a picture."""
+    try:
+        pixels = curves.parse_size(size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--size") from None
+    curve = _client(socket_path).curve(job_id)
+    if not curves.losses(curve):
+        error(f"job {job_id} has no loss recorded ({curve.state})")
+        sys.exit(EXIT_FAILED)
+    if png is None:
+        sys.stdout.write(curves.terminal_plot(curve, color=sys.stdout.isatty()) + "\n")
+        return
+    try:
+        curves.write_png(curve, png, pixels)
+    except curves.PlotUnavailable as exc:
+        error(str(exc))
+        sys.exit(EXIT_FAILED)
+    note(f"wrote {png}")
+
+
+@cli.command("metrics")
+@click.argument("job_id", metavar="JOB")
+@click.option("-o", "--output", type=click.Choice(["csv", "json"]), default="csv", show_default=True,
+              help="csv: a header and one row per point; json: the curve and its points as one object.")
+@_socket_option
+def metrics(job_id: str, output: str, socket_path: Path | None) -> None:
+    """Export JOB's training curve: time, step, loss and steps per second, oldest first."""
+    curve = _client(socket_path).curve(job_id)
+    if output == "json":
+        print_json({"job_id": curve.job_id, "state": curve.state, "steps": curve.steps, "stride": curve.stride,
+                    "backwards": curve.backwards, "nonfinite": curve.nonfinite, "points": curves.to_rows(curve)})
+    else:
+        sys.stdout.write(curves.to_csv(curve))
+
+
+complete_job_ids(cli)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import msgspec
 from rich.console import Console
 from rich.text import Text
 
-from ddpd.client import LogChunk
+from ddpd.client import LogChunk, format_stamp
 
 
 def stdout() -> Console:
@@ -39,26 +39,33 @@ def print_json(value: Any) -> None:
 
 
 class LogWriter:
-    """Writes log chunks to stdout as they come, each line prefixed with its rank when asked."""
+    """Writes log chunks to stdout as they come, each line prefixed with its rank when asked, and with
+    the time the daemon received it (ISO-8601, UTC) with `timestamps`."""
 
-    def __init__(self, prefix: bool) -> None:
+    def __init__(self, prefix: bool, timestamps: bool = False) -> None:
         self._prefix = prefix
-        self._partial: dict[tuple[int, int], str] = {}
+        self._timestamps = timestamps
+        self._partial: dict[tuple[int, int, str], str] = {}
+
+    def _head(self, chunk: LogChunk) -> str:
+        head = f"{format_stamp(chunk.time)} " if self._timestamps and chunk.time is not None else ""
+        return head + (f"[rank {chunk.rank}] " if self._prefix else "")
 
     def write(self, chunk: LogChunk) -> None:
-        if not self._prefix:
+        if not self._prefix and not self._timestamps:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             return
-        key = (chunk.attempt, chunk.rank)
+        key = (chunk.attempt, chunk.rank, chunk.stream or "")
         lines = (self._partial.pop(key, "") + chunk.text).split("\n")
         if lines[-1]:
             self._partial[key] = lines[-1]
-        sys.stdout.write("".join(f"[rank {chunk.rank}] {line}\n" for line in lines[:-1]))
+        head = self._head(chunk)
+        sys.stdout.write("".join(f"{head}{line}\n" for line in lines[:-1]))
         sys.stdout.flush()
 
     def finish(self) -> None:
-        for (_, rank), rest in sorted(self._partial.items()):
-            sys.stdout.write(f"[rank {rank}] {rest}\n")
+        for (_, rank, _), rest in sorted(self._partial.items()):
+            sys.stdout.write(f"[rank {rank}] {rest}\n" if self._prefix else f"{rest}\n")
         self._partial.clear()
         sys.stdout.flush()

@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ddpd.client import CancelResult, DaemonInfo, EventView, JobState, JobView, RootCause
+from ddpd.client import CancelResult, DaemonInfo, EventView, GpuView, JobState, JobView, RankGpu, RootCause
 
 FINAL = frozenset(s.value for s in JobState if s.final)
 
@@ -127,6 +127,8 @@ def _job_header(view: JobView, now: float) -> Table:
     if view.name:
         grid.add_row("name", Text(view.name))
     grid.add_row("state", _state(view.state))
+    if view.queue_position is not None:
+        grid.add_row("queue", Text(f"#{view.queue_position} in line"))
     grid.add_row("owner", Text(_owner(view.owner_uid)))
     grid.add_row("nproc", Text(str(view.spec.nproc)))
     grid.add_row("attempt", Text(str(view.attempt)))
@@ -135,6 +137,10 @@ def _job_header(view: JobView, now: float) -> Table:
         grid.add_row("duration", Text(_duration(end - view.started_at)))
     else:
         grid.add_row("queued for", Text(_duration(now - view.submitted_at)))
+    if view.spec.after:
+        grid.add_row("after", Text(", ".join(view.spec.after)))
+    if view.waiting_on:
+        grid.add_row("waiting on", Text(", ".join(view.waiting_on)))
     if view.reason:
         grid.add_row("reason", Text(view.reason))
     if view.root_cause is not None:
@@ -154,6 +160,9 @@ def ranks_table(view: JobView, title: str | None = None) -> Table:
     table.add_column("loss", justify="right")
     table.add_column("heartbeat", justify="right")
     table.add_column("exit")
+    with_gpus = any(rank.gpus for rank in view.ranks)
+    if with_gpus:
+        table.add_column("gpu")
     for rank in view.ranks:
         table.add_row(
             Text(str(rank.rank)),
@@ -165,8 +174,41 @@ def ranks_table(view: JobView, title: str | None = None) -> Table:
             Text("" if rank.loss is None else f"{rank.loss:.4g}"),
             Text("" if rank.heartbeat_age is None else f"{rank.heartbeat_age:.1f}s ago"),
             Text(_exit_text(rank.exit_code, rank.signal)),
+            *([Text(rank_gpu_text(rank.gpus))] if with_gpus else []),
         )
     return table
+
+
+def size_text(n: int) -> str:
+    """Bytes as a short size: 512 B, 1.5 MiB, 12.3 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def rank_gpu_text(gpus: list[RankGpu]) -> str:
+    """A rank's GPUs: "0 (1.2 GiB)", "0 (-), 1 (512 B)" (- where NVML does not say)."""
+    return ", ".join(f"{g.index} ({'-' if g.memory_used is None else size_text(g.memory_used)})" for g in gpus)
+
+
+def gpu_line(g: GpuView) -> str:
+    """One GPU for `ddpctl daemon`: name, memory used of total, utilisation, holders."""
+    util = "" if g.utilization is None else f", {g.utilization}% busy"
+    held = ", ".join(g.jobs) if g.jobs else "free"
+    others = f" (+{g.other_processes} other process{'es' if g.other_processes > 1 else ''})" \
+        if g.other_processes else ""
+    return f"{g.name}: {size_text(g.memory_used)} of {size_text(g.memory_total)}{util}; {held}{others}"
+
+
+def state_text(view: JobView) -> Text:
+    """The state, with the place in line of a queued job: "QUEUED #3"."""
+    text = _state(view.state)
+    if view.queue_position is not None:
+        text.append(f" #{view.queue_position}")
+    return text
 
 
 def job_detail(view: JobView, now: float) -> RenderableType:
@@ -210,7 +252,7 @@ def jobs_table(views: Iterable[JobView], now: float) -> Table:
             Text(view.id),
             Text(view.name),
             Text(_owner(view.owner_uid)),
-            _state(view.state),
+            state_text(view),
             Text(str(view.spec.nproc)),
             Text(str(view.attempt)),
             Text(_duration(now - view.submitted_at)),
@@ -252,6 +294,9 @@ def daemon_grid(info: DaemonInfo) -> Table:
     ]
     if info.pool_ready is not None:
         rows.append(("warm pool", f"{info.pool_ready} ready"))
+    rows.extend((f"gpu {g.index}", gpu_line(g)) for g in info.gpu_devices)
+    if info.gpu_note:
+        rows.append(("gpu figures", f"unavailable: {info.gpu_note}"))
     for key, value in rows:
         grid.add_row(key, Text(value))
     return grid

@@ -36,8 +36,18 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
-          "checkpoint_every", "priority", "nnodes", "rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_keep_alive",
-          "rdzv_last_call")
+          "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id", "rdzv_backend",
+          "rdzv_keep_alive", "rdzv_last_call")
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A memory size as `--mem` takes it: bytes, or K, M, G, T (powers of 1024), e.g. 512M, 8G, 1.5GiB."""
+    match = _SIZE.match(text.strip())
+    if match is None:
+        raise click.BadParameter(f"expected a size such as 512M or 8G, got {text!r}", param_hint="--mem")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " KMGT".index(unit.upper() or " "))
 
 
 def typed_value(text: str) -> str | int | float | bool:
@@ -97,6 +107,13 @@ _OPTIONS: list[Callable[[F], F]] = [
     click.option("--max-restarts", type=int, default=None, metavar="N"),
     click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
     click.option("--priority", type=int, default=None, metavar="N"),
+    click.option("--mem", "mem", default=None, metavar="SIZE",
+                 help="Memory limit of the job's cgroup (512M, 8G), where the daemon has the memory controller."),
+    click.option("--cpus", type=float, default=None, metavar="N",
+                 help="CPU limit of the job's cgroup (1.5 = one and a half cores), where the daemon has the cpu "
+                 "controller."),
+    click.option("--log-max", "log_max", type=int, default=None, metavar="BYTES",
+                 help="Rotate each rank log past this size, keeping the newest [default and most: the daemon's]."),
     click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank."),
     click.option(
         "--workdir",
@@ -127,6 +144,13 @@ _OPTIONS: list[Callable[[F], F]] = [
         "--option", "options", multiple=True, metavar="K=V", help="Task option; numbers and true/false are typed."
     ),
     click.option(
+        "--after",
+        "after",
+        multiple=True,
+        metavar="JOB[,JOB...]",
+        help="Start only once these jobs (ids or unique prefixes) have succeeded; fail if one does not.",
+    ),
+    click.option(
         "-m",
         "--module",
         "module",
@@ -153,6 +177,8 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     timeouts = {key: values[name] for name, key in _TIMEOUTS.items() if values.get(name) is not None}
     if timeouts:
         fields["timeouts"] = timeouts
+    if values.get("mem") is not None:
+        fields["memory"] = parse_size(str(values["mem"]))
     if values.get("env"):
         fields["env"] = dict(pairs("--env", values["env"]))
     python = values.get("python")
@@ -160,6 +186,9 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     fields["export"], fields["environ"] = exported(str(values.get("export") or "ALL"), os.environ)
     if values.get("options"):
         fields["options"] = {key: typed_value(value) for key, value in pairs("--option", values["options"])}
+    after = [job.strip() for item in values.get("after") or () for job in item.split(",") if job.strip()]
+    if after:
+        fields["after"] = after
     module = bool(values.get("module"))
     if script and script[0] == "-m":  # `submit -- -m pkg.mod ARGS`, as after python or torchrun
         module, script = True, script[1:]

@@ -2,7 +2,8 @@
 
 One event loop: a task reads the follow-stream of events and only wakes the refresher, which
 redraws once per burst of events and once a second for the heartbeat ages. With a job, it ends
-when the job is final; without one, it runs until interrupted.
+when the job is final; without one, it runs until interrupted. A job's view ends with its progress
+line: steps per second, the time left to its last step, and a sparkline of its loss (see `curves`).
 """
 
 from __future__ import annotations
@@ -15,32 +16,44 @@ from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from ddpd.client import AsyncClient, JobView, RemoteError
+from ddpd.client import AsyncClient, CurveResult, JobView, RemoteError
 
-from . import output, render
+from . import curves, output, render
 
 REFRESH = 1.0  # seconds between redraws when no event comes
 
 
-def watch_view(views: list[JobView], single: bool) -> RenderableType:
+Show = Callable[[list[JobView], CurveResult | None], None]
+
+
+def watch_view(views: list[JobView], single: bool, curve: CurveResult | None = None) -> RenderableType:
     now = time.time()
     if single:
-        return render.job_detail(views[0], now)
+        detail = render.job_detail(views[0], now)
+        line = "" if curve is None else curves.progress_line(curve, views[0].state in render.FINAL)
+        return Group(detail, Text(line)) if line else detail
     parts: list[RenderableType] = [render.jobs_table(views, now)]
     for active in [v for v in views if v.state not in render.FINAL and v.ranks][:8]:
         parts.append(render.ranks_table(active, title=f"{active.id} {active.name}".rstrip()))
     return Group(*parts)
 
 
-async def follow(client: AsyncClient, job_id: str | None, show: Callable[[list[JobView]], None]) -> JobView | None:
+async def _curve(client: AsyncClient, job_id: str) -> CurveResult | None:
+    try:
+        return await client.curve(job_id)
+    except RemoteError:  # a daemon without curves: the view goes on without its progress line
+        return None
+
+
+async def follow(client: AsyncClient, job_id: str | None, show: Show) -> JobView | None:
     """Refresh on every event and once a second; returns the watched job once it is final."""
 
     async def refresh() -> JobView | None:
         if job_id is not None:
             view = await client.status(job_id)
-            show([view])
+            show([view], await _curve(client, job_id))
             return view if view.state in render.FINAL else None
-        show(await client.list_jobs())
+        show(await client.list_jobs(), None)
         return None
 
     final = await refresh()  # a bad JOB fails here, before the stream starts
@@ -94,17 +107,17 @@ def run_watch(client: AsyncClient, job_id: str | None, as_json: bool) -> JobView
     if as_json:
         try:
             return anyio.run(follow, client, job_id,
-                             lambda views: output.print_json(views[0] if job_id is not None else views))
+                             lambda views, _: output.print_json(views[0] if job_id is not None else views))
         except KeyboardInterrupt:
             return None
     console = output.stdout()
     shown = False
     live = Live(Text(""), console=console, refresh_per_second=4)
 
-    def show(views: list[JobView]) -> None:
+    def show(views: list[JobView], curve: CurveResult | None) -> None:
         nonlocal shown
         shown = True
-        live.update(watch_view(views, job_id is not None), refresh=True)
+        live.update(watch_view(views, job_id is not None, curve), refresh=True)
 
     try:
         with live:

@@ -20,11 +20,15 @@ from ddpd.protocol import (
 )
 from ddpd.protocol.control import (
     CancelResult,
+    CurvePoint,
+    CurveResult,
     DaemonInfo,
     EventView,
+    GpuView,
     JobPage,
     JobView,
     LogChunk,
+    RankGpu,
     RankStacks,
     RankView,
     Reply,
@@ -34,6 +38,8 @@ from ddpd.protocol.control import (
     StacksResult,
     SubmitResult,
 )
+from ddpd.protocol.logquery import MAX_TAIL, QueryError, format_stamp, parse_rank_set, parse_since
+from ddpd.protocol.logquery import Stream as LogStream
 
 from .aio import AsyncClient, AsyncConnection, AsyncStream
 from .blocking import Client, Connection, Stream
@@ -42,6 +48,7 @@ from .wire import build_spec
 
 __all__ = [
     "BUILTIN_TASKS",
+    "MAX_TAIL",
     "AsyncClient",
     "AsyncConnection",
     "AsyncStream",
@@ -49,16 +56,22 @@ __all__ = [
     "Client",
     "Connection",
     "ConnectionLost",
+    "CurvePoint",
+    "CurveResult",
     "DaemonInfo",
     "DaemonUnavailable",
     "ErrorCode",
     "EventView",
+    "GpuView",
     "JobPage",
     "JobSpec",
     "JobState",
     "JobView",
     "LogChunk",
+    "LogStream",
     "ProtocolError",
+    "QueryError",
+    "RankGpu",
     "RankStacks",
     "RankState",
     "RankView",
@@ -75,4 +88,7 @@ __all__ = [
     "UnsafeSocket",
     "build_spec",
     "check_spec",
+    "format_stamp",
+    "parse_rank_set",
+    "parse_since",
 ]

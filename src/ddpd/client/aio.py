@@ -24,6 +24,8 @@ from ddpd.protocol import MAX_FRAME, PROTOCOL_VERSION, JobSpec
 from ddpd.protocol.control import (
     Cancel,
     CancelResult,
+    CurveReq,
+    CurveResult,
     DaemonInfo,
     DaemonInfoReq,
     Events,
@@ -40,6 +42,7 @@ from ddpd.protocol.control import (
     Remove,
     Reply,
     Request,
+    Resubmit,
     StacksReq,
     StacksResult,
     Status,
@@ -47,6 +50,7 @@ from ddpd.protocol.control import (
     SubmitResult,
     Wait,
 )
+from ddpd.protocol.logquery import Stream as LogStream
 from ddpd.protocol.paths import UnsafeSocketDir, client_socket_path
 
 from .errors import ConnectionLost, ProtocolError, UnsafeSocket, unreachable
@@ -248,6 +252,19 @@ class AsyncClient:
             result = await self._call(make)
         return convert(result, SubmitResult)
 
+    async def resubmit(self, job_id: str, *, idempotency_key: str | None = None) -> SubmitResult:
+        """Submit the stored spec of a job (its owner's) again: a new job. Retried once, as `submit_result`."""
+        key = idempotency_key if idempotency_key is not None else uuid.uuid4().hex
+
+        def make(i: int) -> Request:
+            return Resubmit(id=i, job_id=job_id, idempotency_key=key)
+
+        try:
+            result = await self._call(make)
+        except ConnectionLost:
+            result = await self._call(make)
+        return convert(result, SubmitResult)
+
     async def status(self, job_id: str) -> JobView:
         return convert(await self._call(lambda i: Status(id=i, job_id=job_id)), JobView)
 
@@ -284,10 +301,14 @@ class AsyncClient:
         return convert(await self._call(lambda i: Wait(id=i, job_id=job_id)), JobView)
 
     def logs(
-        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False
+        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False, *,
+        ranks: list[int] | None = None, stream: LogStream = "both", tail: int | None = None, since: float | None = None,
     ) -> AsyncStream[LogChunk]:
+        """Rank logs: `rank` or the rank set `ranks`, `stream` stdout|stderr|both, the last `tail` lines
+        of each rank, lines received at or after `since` (seconds since the epoch)."""
         return AsyncStream(
-            self, lambda i: Logs(id=i, job_id=job_id, rank=rank, attempt=attempt, follow=follow), LogChunk
+            self, lambda i: Logs(id=i, job_id=job_id, rank=rank, attempt=attempt, follow=follow, ranks=ranks,
+                                 stream=stream, tail=tail, since=since), LogChunk
         )
 
     def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> AsyncStream[EventView]:
@@ -298,6 +319,10 @@ class AsyncClient:
         stacks grouped; the job runs on. `native`: native frames too, where the daemon has py-spy."""
         return convert(await self._call(lambda i: StacksReq(id=i, job_id=job_id, rank=rank, native=native)),
                        StacksResult)
+
+    async def curve(self, job_id: str) -> CurveResult:
+        """The job's training curve (step, loss, steps per second), downsampled by the daemon."""
+        return convert(await self._call(lambda i: CurveReq(id=i, job_id=job_id)), CurveResult)
 
     async def ping(self) -> float:
         """Round-trip time of one ping on an open connection, in seconds."""

@@ -19,6 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import (
     CancelResult,
+    CurveResult,
     DaemonInfo,
     EventView,
     JobPage,
@@ -28,6 +29,7 @@ from ddpd.protocol.control import (
     StacksResult,
     SubmitResult,
 )
+from ddpd.protocol.logquery import Stream as LogStream
 
 from .aio import AsyncClient, AsyncConnection
 from .wire import RawRequest
@@ -202,6 +204,9 @@ class Client:
     def submit_result(self, spec: JobSpec, *, idempotency_key: str | None = None) -> SubmitResult:
         return _once(lambda: self.aio.submit_result(spec, idempotency_key=idempotency_key))
 
+    def resubmit(self, job_id: str, *, idempotency_key: str | None = None) -> SubmitResult:
+        return _once(lambda: self.aio.resubmit(job_id, idempotency_key=idempotency_key))
+
     def status(self, job_id: str) -> JobView:
         return _once(lambda: self.aio.status(job_id))
 
@@ -225,15 +230,21 @@ class Client:
         return _once(lambda: self.aio.wait(job_id))
 
     def logs(
-        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False
+        self, job_id: str, rank: int | None = None, attempt: int | None = None, follow: bool = False, *,
+        ranks: list[int] | None = None, stream: LogStream = "both", tail: int | None = None,
+        since: float | None = None,
     ) -> Stream[LogChunk]:
-        return Stream(self.aio.logs(job_id, rank, attempt, follow))
+        return Stream(self.aio.logs(job_id, rank, attempt, follow, ranks=ranks, stream=stream, tail=tail,
+                                    since=since))
 
     def events(self, job_id: str | None = None, follow: bool = False, since: int = 0) -> Stream[EventView]:
         return Stream(self.aio.events(job_id, follow, since))
 
     def stacks(self, job_id: str, rank: int | None = None, native: bool = False) -> StacksResult:
         return _once(lambda: self.aio.stacks(job_id, rank, native))
+
+    def curve(self, job_id: str) -> CurveResult:
+        return _once(lambda: self.aio.curve(job_id))
 
     def ping(self) -> float:
         return _once(self.aio.ping)

@@ -23,12 +23,14 @@ from ..protocol.control import DaemonInfo
 from .bus import EventBus
 from .cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
 from .config import Config, ConfigError, load_config, parse_listen
+from .curves import CurveStore
 from .gpus import discover_async
 from .journal import Journal
 from .logs import configure_logging, parse_level, set_level
 from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
 from .pool import WarmPool
+from .poolkeys import own_shape
 from .procs import set_child_subreaper
 from .resources import Resources
 from .scheduler import Scheduler
@@ -41,7 +43,7 @@ log = structlog.get_logger("ddpd")
 _ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "pool_size", "cgroup")
+                 "metrics_token", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
 
 
 async def _count_gpus() -> int:
@@ -161,23 +163,28 @@ class Daemon:
         gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
         bus = EventBus()
         journal = Journal(db, bus)
+        curves = CurveStore(journal)
+        bus.listen(curves.observe)
         resources = Resources(gpus, cfg.cpu_slots)
-        pool = WarmPool(cfg, resources.busy_cpu)  # warm workers (pool_size 0: none, every rank starts cold)
+        pool = WarmPool(cfg, resources.busy_cpu, subtree)  # warm workers (pool_size 0: none, all start cold)
         self.pool = pool if pool.size else None
+        if os.geteuid() != 0 or cfg.allow_root_jobs:  # the daemon's own user is served: its key is known now
+            pool.use(own_shape(cfg), 1)  # two interpreters, until a job of it says how many ranks it has
         self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool, subtree=subtree)
         listener: SocketListener | None = None
         try:
             await scheduler.recover()
             metrics = metrics_listener = None
             if cfg.metrics_listen is not None:
-                metrics = Metrics(scheduler, self.started, __version__)
+                metrics = Metrics(scheduler, self.started, __version__, curves)
                 host, port = parse_listen(cfg.metrics_listen)
                 metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
             listener = await self._listen()
-            server = ControlServer(scheduler, self.info, self.reload)
+            server = ControlServer(scheduler, self.info, self.reload, curves)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
                 tg.start_soon(self._follow_status, bus)
+                tg.start_soon(curves.run)
                 await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
                 tg.start_soon(listener.serve, server.handle)

@@ -44,6 +44,7 @@ from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .gpus import nccl_env
 from .identity import Identity, UnknownUser
+from .joblimits import LimitsOutcome, apply_limits, wanted
 from .journal import Journal
 from .launch import Launcher
 from .multinode import settle, watch_nodes
@@ -51,13 +52,13 @@ from .nodes import NodeLayout, NodeSession
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
-from .records import Job, rank_log_name, user_attempt_dir, user_job_dir
+from .records import Job, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
 from .rendezvous import RendezvousError, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
 from .stacks import collect, find_py_spy
 from .teardown import escalate
 from .usertree import open_user_file
-from .workspace import create_log, keep_rotated, prepare_dirs, reopen_rw
+from .workspace import create_logs, keep_logs, live_streams, prepare_dirs
 
 log = structlog.get_logger("ddpd")
 
@@ -196,9 +197,8 @@ class Attempt:
         finally:
             for h in self.handles:
                 h.channel.close()
-                if h.log_fd is not None:
-                    os.close(h.log_fd)
-                    h.log_fd = None
+                if h.logs is not None:
+                    h.logs.close()
             rdzv.close()
         assert self.outcome is not None
         outcome = self._finish_outcome(self.outcome)
@@ -236,8 +236,16 @@ class Attempt:
                 reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
             return
         cgroup = await self._create_cgroup()
+        if wanted(job.spec):  # --mem / --cpus: applied where the controller is delegated, else said why not
+            try:
+                limits = await anyio.to_thread.run_sync(apply_limits, job.spec, self.gang.cgroup, self.subtree)
+            except (OSError, ValueError) as exc:
+                limits = LimitsOutcome(unavailable={c: f"cannot write the limit: {exc}" for c in wanted(job.spec)})
+            await self.journal.event(job, "job.limits", applied=limits.applied, unavailable=limits.unavailable)
         if self.gang.cgroup is not None:
             launcher.place = self.gang.cgroup.add
+            launcher.cgroup = self.gang.cgroup
+        launcher.use_pool()
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)
@@ -248,14 +256,21 @@ class Attempt:
             r = offset + local
             log_path = self.dir / rank_log_name(r)
             try:
-                log_fd = await anyio.to_thread.run_sync(create_log, self.config.state_dir, self.identity, job.id,
-                                                        self.number, r)
+                fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
+                                                     self.number, r)
                 try:
-                    h = launcher.start(local, log_path, log_fd, self.gang.pgid)
-                    if not h.pooled:  # a pooled rank appends to a log it creates itself: not rotated
-                        h.log_fd = reopen_rw(log_fd)
+                    logs = await anyio.to_thread.run_sync(
+                        live_streams, self.config.state_dir, self.identity, job, self.number,
+                        [str(log_path), stderr_log(str(log_path))], list(fds))
+                    try:
+                        h = launcher.start(local, log_path, fds, self.gang.pgid)
+                    except BaseException:
+                        logs.close()
+                        raise
+                    h.logs = logs
                 finally:
-                    os.close(log_fd)
+                    for fd in fds:
+                        os.close(fd)
             except OSError as exc:
                 self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
                     reason="spawn_failed", rank=r, attempt=self.number,
@@ -293,13 +308,11 @@ class Attempt:
         with bound_contextvars(job_id=self.job.id, attempt=self.number, rank=h.rank.rank):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_exit, h, self)
-                rotation = anyio.CancelScope()
-                if h.log_fd is not None:
-                    tg.start_soon(keep_rotated, h, self.config.rank_log_max, self.journal, self.job, rotation)
+                log_max = min(self.job.spec.log_max or self.config.rank_log_max, self.config.rank_log_max)
+                tg.start_soon(keep_logs, h, log_max, self.journal, self.job)
                 if h.hello is not None:  # a pooled rank said hello to the pool
                     await self.connected(h, h.hello)
                 await read_frames(h, self)
-                rotation.cancel()  # the reader is done: no more heartbeats will ask for a check
 
     async def connected(self, h: RankHandle, hello: Hello) -> None:
         """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.

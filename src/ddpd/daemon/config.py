@@ -56,11 +56,13 @@ class Config:
     heartbeat_interval: float = 1.0
     cpu_slots: int = field(default_factory=lambda: os.cpu_count() or 1)
     gpus: int | None = None  # None: ask torch at start
-    pool_size: int = 0
+    pool_size: int = 4  # warm interpreters in all (0: none); see docs/pool.md for the memory each holds
+    pool_per_key: int = 4  # per (user, interpreter, start-up environment): 2 jobs' worth of a 2-rank job
+    pool_idle_expiry: float = 600.0  # seconds a key stays warm after its last job started
     worker_command: tuple[str, ...] = ()  # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
     max_running: int = 64
     log_level: str = "info"
-    log_format: str = "auto"  # auto | json | console
+    log_format: str = "auto"  # auto | json | console | human | journald (see logs)
     metrics_listen: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     metrics_token: str | None = None  # bearer token the endpoint requires (mandatory off loopback)
     metrics_token_file: Path | None = None  # a 0600 file holding the token instead
@@ -121,11 +123,13 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     cpu_slots: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | msgspec.UnsetType = msgspec.UNSET
     gpus: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType | None = msgspec.UNSET
     pool_size: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType = msgspec.UNSET
+    pool_per_key: Annotated[int, msgspec.Meta(ge=0, le=1024)] | msgspec.UnsetType = msgspec.UNSET
+    pool_idle_expiry: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | msgspec.UnsetType = msgspec.UNSET
     worker_command: Annotated[list[Text], msgspec.Meta(max_length=64)] | msgspec.UnsetType = msgspec.UNSET
     max_running: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | msgspec.UnsetType = msgspec.UNSET
     log_level: Literal["debug", "info", "warning", "error", "DEBUG", "INFO", "WARNING", "ERROR"] | (
         msgspec.UnsetType) = msgspec.UNSET
-    log_format: Literal["auto", "json", "console"] | msgspec.UnsetType = msgspec.UNSET
+    log_format: Literal["auto", "json", "console", "human", "journald"] | msgspec.UnsetType = msgspec.UNSET
     metrics_listen: Annotated[str, msgspec.Meta(min_length=1, max_length=300)] | msgspec.UnsetType | None = (
         msgspec.UNSET)
     metrics_token: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | msgspec.UnsetType | None = (

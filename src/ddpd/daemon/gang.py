@@ -22,7 +22,7 @@ from .clock import Clock, wait_until
 from .files import JobFileError, Opener, job_file_size, read_job_file
 from .journal import Journal
 from .ranks import RankHandle
-from .records import Job
+from .records import Job, stderr_log
 from .rootcause import StackSite, locate
 from .teardown import UNKILLABLE_WAIT
 
@@ -94,13 +94,13 @@ class RankGang:
         if h.rank.log is None:
             return ""
         try:
-            data = await read_job_file(h.rank.log, start, DUMP_READ_LIMIT, opener=self.opener)
+            data = await read_job_file(stderr_log(h.rank.log), start, DUMP_READ_LIMIT, opener=self.opener)
         except (OSError, JobFileError):  # a FIFO, a symlink, a slow file: no dump to read
             return ""
         return data.decode("utf-8", "replace")
 
     async def _size(self, h: RankHandle) -> int:
-        return 0 if h.rank.log is None else await job_file_size(h.rank.log, opener=self.opener)
+        return 0 if h.rank.log is None else await job_file_size(stderr_log(h.rank.log), opener=self.opener)
 
     async def _await_dumps(self, handles: list[RankHandle], sizes: dict[int, int]) -> None:
         """Bounded: faulthandler answers nothing, so watch the logs until each holds a whole
@@ -136,7 +136,7 @@ class RankGang:
             h.rank.stack_dump = h.rank.rank in dumped
             await self.journal.save_rank(self.job, h.rank)
         await self.journal.event(self.job, "job.stacks_dumped", ranks=dumped,
-                                 logs={str(h.rank.rank): h.rank.log for h in live},
+                                 logs={str(h.rank.rank): stderr_log(h.rank.log or "") for h in live},
                                  where={str(r): site.describe() for r, site in sorted(self.stack_sites.items())})
 
     # -- leftovers -------------------------------------------------------------------------

@@ -146,6 +146,21 @@ class Journal:
         data.update({"from": old.value, "to": new.value})
         await self.event(job, kind, rank=rank.rank, **data)
 
+    async def save_curves(self, curves: dict[str, str]) -> None:
+        """Job curves (JSON by job id) in one transaction; a job no longer on record gets none."""
+        def fn(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.executemany("INSERT INTO curves (job_id, data) SELECT ?, ? WHERE EXISTS "
+                              "(SELECT 1 FROM jobs WHERE id = ?) ON CONFLICT(job_id) DO UPDATE SET data=excluded.data",
+                              [(job_id, data, job_id) for job_id, data in curves.items()])
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+
+        await self._write("curves", fn)
+
     # -- writes a client waits on: they raise StorageError ---------------------------------------
 
     async def create_job(self, job: Job) -> None:
@@ -165,7 +180,7 @@ class Journal:
             c.execute("BEGIN IMMEDIATE")
             try:
                 for table, col in (("events", "job_id"), ("ranks", "job_id"), ("attempts", "job_id"),
-                                   ("jobs", "id")):
+                                   ("curves", "job_id"), ("jobs", "id")):
                     c.execute(f"DELETE FROM {table} WHERE {col} = ?", (job_id,))
             except BaseException:
                 c.execute("ROLLBACK")
@@ -178,6 +193,11 @@ class Journal:
             raise StorageError(f"job {job_id} could not be removed ({exc}); retry later") from None
 
     # -- reads ---------------------------------------------------------------------------------
+
+    async def load_curve(self, job_id: str) -> str | None:
+        """A job's stored curve (JSON), None when it has none."""
+        rows = await self.db.run(lambda c: c.execute("SELECT data FROM curves WHERE job_id = ?", (job_id,)).fetchall())
+        return str(rows[0]["data"]) if rows else None
 
     async def load_jobs(self, recent_ended: int | None = None) -> list[Job]:
         """Jobs by seq, with their latest attempt's ranks: every job, or the unended ones and the most
@@ -205,6 +225,15 @@ class Journal:
             sql += f" AND state NOT IN {_FINAL}"
         rows = await self.db.run(lambda c: c.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall())
         return await self._with_ranks([job_from_row(r) for r in rows])
+
+    async def ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """Up to `limit` job ids that start with `prefix` (a range on the primary key), oldest first."""
+        if not prefix:
+            return []
+        upper = prefix[:-1] + chr(min(ord(prefix[-1]) + 1, 0x10FFFF))
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY seq LIMIT ?", (prefix, upper, limit)).fetchall())
+        return [str(r["id"]) for r in rows]
 
     async def job_by_key(self, owner_uid: int, key: str) -> str | None:
         rows = await self.db.run(lambda c: c.execute(

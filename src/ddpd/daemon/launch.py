@@ -8,9 +8,11 @@ systemd's variables). Then the job's ``spec.env``, then the daemon's reserved va
 can neither move its rank nor hide from teardown nor see devices it was not given. A cold rank
 runs ``spec.python`` (else the configured worker command or the daemon's interpreter) as the
 submitter (`run_as`, through the gate) and inside the attempt's cgroup (`place`) where there is
-one; its Assign carries no environment. A pooled rank (only for jobs with the daemon's own
-interpreter, environment and user), started before the job existed, gets the difference to its
-base in ``Assign.env``.
+one; its Assign carries no environment. A pooled rank (a worker of the job's `PoolKey`: the
+same user, interpreter and start-up environment), started before the job existed, gets the
+difference to the environment it started with in ``Assign.env`` (and the names to unset), the
+job's working directory, and its cgroup moved into the attempt's (`AttemptCgroup.take_over`):
+from then on it is the cold start it stands in for.
 
 `Launcher.start` returns the same `RankHandle` either way.
 """
@@ -29,15 +31,19 @@ import msgspec
 from ..protocol.channel import Assign
 from ..protocol.worker import MARKER_ENV, is_reserved_env, worker_args
 from . import procs
+from .cgroups import AttemptCgroup
 from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
 from .identity import Identity, job_environment
 from .nodes import NodeLayout
-from .pool import COLD_ENV_PREFIXES, POOL_SAFE_ENV, WarmPool, pool_eligible, pool_env
+from .pool import WarmPool, end_cgroup
+from .poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
 from .ranks import RankHandle
-from .records import Job, Rank
+from .records import Job, Rank, stderr_log
 from .rendezvous import Rendezvous
+
+TAKE_OVER_WAIT = 5.0  # seconds for a pooled worker's own cgroup to empty once its processes moved
 
 
 def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rendezvous, marker: str,
@@ -97,27 +103,6 @@ def base_env(job: Job, identity: Identity) -> dict[str, str]:
     return job_environment(identity, exported, {}, {})
 
 
-def same_interpreter(a: str, b: str) -> bool:
-    """The same interpreter of the same environment: the same file name's directory (a venv's `bin`,
-    resolved), and the same resolved file. Two venvs over one base interpreter are not the same."""
-    return (os.path.realpath(os.path.dirname(a)) == os.path.realpath(os.path.dirname(b))
-            and os.path.realpath(a) == os.path.realpath(b))
-
-
-def pool_fits(python: str | None, environ: Mapping[str, str] | None, pool_base: Mapping[str, str],
-              pool_python: str) -> bool:
-    """Whether a pooled interpreter can become a rank of this job: the job runs the pool's interpreter,
-    and every variable read at interpreter or torch start has the value the pool started with (the
-    rest of the job's environment is applied on assignment)."""
-    if python is not None and not same_interpreter(python, pool_python):
-        return False
-    if environ is None:
-        return True
-    keys = {k for k in (*environ, *pool_base)
-            if k.startswith(COLD_ENV_PREFIXES) and k not in POOL_SAFE_ENV and k != "PYTHONUNBUFFERED"}
-    return all(environ.get(k) == pool_base.get(k) for k in keys)
-
-
 class Launcher:
     """Starts the ranks of one attempt (cold, or from the warm pool when the job may use it)."""
 
@@ -135,13 +120,27 @@ class Launcher:
         self.attempt_dir = attempt_dir
         self.run_as = run_as  # the submitter, when this (root) daemon starts ranks as another user
         self.place = place  # enters a rank into the attempt's cgroup, where there is one
+        self.cgroup: AttemptCgroup | None = None  # the attempt's, where there is one (pooled ranks move in)
         self.base = base_env(job, identity)
-        self.pool_base = pool_env()  # what a pooled interpreter was started with
-        fits = run_as is None and pool_fits(job.spec.python, job.spec.environ, self.pool_base, self._pool_python())
-        self.pool = pool if pool is not None and fits and pool_eligible(job.spec) is None else None
+        self.pool = pool if pool is not None and pool_eligible(job.spec) is None else None
         self.cwd = job.spec.workdir or str(job_dir)
         self.checkpoint_dir = checkpoint_dir
         self.envs: dict[int, dict[str, str]] = {}
+        self.pool_envs: dict[int, dict[str, str]] = {}  # what each pooled rank was started with
+        self.shape = self._shape(identity)
+
+    def _shape(self, identity: Identity) -> Shape:
+        """This job's pool key and how a pooled interpreter of it is started (as a cold rank would be)."""
+        argv = self.argv_prefix()
+        env = start_env(self.base)
+        uid = self.run_as.uid if self.run_as is not None else os.geteuid()
+        cwd = str(self.config.state_dir) if self.run_as is None else "/"
+        return Shape(key=PoolKey.of(uid, argv[0], env), argv=argv, env=env, identity=self.run_as, cwd=cwd)
+
+    def use_pool(self) -> None:
+        """Tell the pool this job's shape is in use (it keeps interpreters of it warm from now on)."""
+        if self.pool is not None:
+            self.pool.use(self.shape, self.job.spec.nproc)
 
     def env(self, rank: int) -> dict[str, str]:
         if rank not in self.envs:
@@ -150,40 +149,48 @@ class Launcher:
                                        self.layout)
         return self.envs[rank]
 
-    def _pool_python(self) -> str:
-        return (self.config.worker_command or (sys.executable,))[0]
-
     def argv_prefix(self) -> tuple[str, ...]:
         if self.job.spec.python is not None:
             return (self.job.spec.python, "-m", "ddpd.worker")
         return self.config.worker_command or (sys.executable, "-m", "ddpd.worker")
 
-    def start(self, rank: int, log_path: Path, log_fd: int, pgid: int | None) -> RankHandle:
+    def start(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
         """Local rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
 
-        `log_fd` becomes a cold rank's stdout and stderr (the caller closes it); a pooled rank
-        appends to `log_path` itself. `pgid` None: the rank leads the attempt's new process group.
+        `log_fds` become a cold rank's stdout and stderr (the caller closes them); a pooled rank
+        appends to `log_path` and the stderr file beside it itself. `pgid` None: the rank leads the
+        attempt's new process group.
         Raises OSError when a cold start (or the cgroup placement of a pooled one) fails.
         """
-        taken = self.pool.take() if self.pool is not None else None
+        taken = None
+        if self.pool is not None and self.pool.serves(self.shape) and (self.cgroup is not None
+                                                                         or not self.pool.contained):
+            taken = self.pool.take(self.shape.key)
         if taken is not None:
-            proc, channel, hello = taken
+            proc, channel = taken.proc, taken.channel
             handle = self._handle(rank, proc, channel, log_path, pgid or proc.pid, pooled=True)
-            handle.hello = hello
-            if self.place is not None:  # still the daemon's own code: no race with job code
-                try:
+            handle.hello = taken.hello
+            self.pool_envs[rank] = taken.env
+            try:
+                if taken.cgroup is not None and self.cgroup is not None:
+                    # everything of the worker's cgroup (anything its interpreter's start forked too) moves in
+                    if not self.cgroup.take_over(taken.cgroup, TAKE_OVER_WAIT):
+                        raise OSError(f"the pooled worker's cgroup {taken.cgroup.path} did not empty")
+                elif self.place is not None:
                     self.place(proc.pid)
-                except OSError:
-                    channel.close()
-                    proc.kill()
-                    proc.wait()
-                    raise
+            except OSError:
+                channel.close()
+                proc.kill()
+                proc.wait()
+                if taken.cgroup is not None:
+                    end_cgroup(taken.cgroup)  # whatever stayed behind in it
+                raise
             return handle
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [*self.argv_prefix(), *worker_args(child_end.fileno(), os.getpid())]
         try:
-            proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fd,
-                               pass_fds=[child_end.fileno()], process_group=pgid or 0,
+            proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fds[0],
+                               err_fd=log_fds[1], pass_fds=[child_end.fileno()], process_group=pgid or 0,
                                identity=self.run_as, place=self.place)
         except OSError:
             parent_end.close()
@@ -208,8 +215,9 @@ class Launcher:
         env: dict[str, str] = {}
         unset: list[str] = []
         if h.pooled:  # started before the job: it gets what its environment lacks, and the job's directory
-            env = {k: v for k, v in self.env(local).items() if self.pool_base.get(k) != v}
-            unset = sorted(k for k in self.pool_base if k not in self.env(local))
+            started = self.pool_envs.get(local, {})
+            env = {k: v for k, v in self.env(local).items() if started.get(k) != v}
+            unset = sorted(k for k in started if k not in self.env(local))
             if not spec.workdir:
                 spec = msgspec.structs.replace(spec, workdir=self.cwd)
         return Assign(
@@ -219,4 +227,5 @@ class Launcher:
             join_timeout=self.join_timeout,
             checkpoint_dir=str(self.checkpoint_dir),
             pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "", unset=unset,
+            err_path=stderr_log(rank.log or "") if h.pooled and rank.log else "",
         )

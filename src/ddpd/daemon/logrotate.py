@@ -4,8 +4,9 @@ A rank writes its log through its own stdout/stderr fd, opened with O_APPEND, so
 rename the file under it. When the live log exceeds the limit, its newest part (half the limit,
 starting at a line boundary where one is near) is copied to ``rank-<r>.log.1``, replacing an older
 one, and the live file is truncated in place: the rank's next write lands at the new end (offset 0).
-What a rank writes between the last size check and the truncation (microseconds) is lost, as with
-logrotate's copytruncate. On disk a rank then holds at most about 1.5 times the limit.
+What a rank writes between the last size check and the truncation (microseconds: the copy catches
+up with the rank a few times first, and the backup is synced after) is lost, as with logrotate's
+copytruncate. On disk a rank then holds at most about 1.5 times the limit.
 
 The live log is hostile ground: a job can replace its path by a FIFO, a symlink or another file.
 `rotate` works on an fd (opened once by the daemon with `open_live_log`, which is O_NOFOLLOW,
@@ -16,9 +17,9 @@ and creating it with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink planted there is remov
 and a file recreated in between makes the rotation give up (the live log is then not truncated).
 The backup takes the live log's mode (and, for a daemon running as root, its owner).
 
-`plan` and `line_start` are the pure policy; `Throttle` says when to look again (at most once a
-second per rank); `rotate` is blocking (call it from a thread: `rotate_in_thread` does, on the
-job-file limiter of `files`, with a bounded wait).
+`plan` and `line_start` are the pure policy; `rotate` is blocking: `logindex.tick` calls it, every
+quarter second, from the thread of `workspace.keep_logs` (on the job-file limiter of `files`, with a
+bounded wait).
 """
 
 from __future__ import annotations
@@ -26,17 +27,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import anyio
-import anyio.to_thread
-
-from . import files
 
 StrPath = str | os.PathLike[str]
 CHUNK = 1 << 20  # bytes copied per pread/write
 LINE_SEARCH = 64 * 1024  # how far into the kept part a line boundary is looked for
+CATCH_UP = 4  # copies of what the rank wrote meanwhile before the live log is emptied
 ROTATE_TIMEOUT = 10.0  # seconds a rotation may take off the loop before it is no longer waited for
 
 
@@ -81,20 +79,6 @@ def line_start(head: bytes) -> int:
     return cut
 
 
-class Throttle:
-    """At most one check per `interval` seconds; time is passed in (a monotonic clock's reading)."""
-
-    def __init__(self, interval: float = 1.0) -> None:
-        self.interval = interval
-        self._last: float | None = None
-
-    def ready(self, now: float) -> bool:
-        if self._last is not None and now - self._last < self.interval:
-            return False
-        self._last = now
-        return True
-
-
 def open_live_log(path: StrPath) -> int:
     """An fd of a rank log for rotation: read-write, non-blocking, not through a symlink, regular only."""
     try:
@@ -111,33 +95,46 @@ def open_live_log(path: StrPath) -> int:
     return fd
 
 
-def rotate(log: int | StrPath, max_bytes: int, backup: StrPath | None = None) -> Rotated | None:
+def rotate(log: int | StrPath, max_bytes: int, backup: StrPath | None = None,
+           on_cut: Callable[[int, int], None] | None = None) -> Rotated | None:
     """Rotate the live log `log` (an fd the caller keeps, or a path) if it exceeds `max_bytes`.
 
     `backup` is the ``.1`` path; it defaults to the path with ``.1`` appended and is required with
-    an fd. Returns None when nothing was due; raises RotationError (or OSError) when the rotation
-    cannot be done safely, in which case the live log is left as it was.
+    an fd. `on_cut(start, end)` is called once the backup holds bytes [start, end) of the live log,
+    just before the live log is emptied. Returns None when nothing was due; raises RotationError
+    (or OSError) when the rotation cannot be done safely, in which case the live log is left as it was.
     """
     if isinstance(log, int):
         if backup is None:
             raise ValueError("rotating an fd needs the backup path")
-        return _rotate_fd(log, max_bytes, Path(backup), str(log))
+        return _rotate_fd(log, max_bytes, Path(backup), str(log), on_cut)
     fd = open_live_log(log)
     try:
         return _rotate_fd(fd, max_bytes, Path(backup if backup is not None else f"{os.fspath(log)}.1"),
-                          os.fspath(log))
+                          os.fspath(log), on_cut)
     finally:
         os.close(fd)
 
 
-async def rotate_in_thread(fd: int, max_bytes: int, backup: StrPath,
-                           timeout: float = ROTATE_TIMEOUT) -> Rotated | None:
-    """`rotate` off the loop on the job-file limiter of `files`, waited for at most `timeout` seconds
-    (after that None: the thread finishes on its own and the next check tries again)."""
-    with anyio.move_on_after(timeout):
-        return await anyio.to_thread.run_sync(rotate, fd, max_bytes, backup, limiter=files._limit(),
-                                              abandon_on_cancel=True)
-    return None
+def size_of_live(fd: int, name: StrPath) -> int:
+    """The size of a live log by its fd (blocking); RotationError when it is not a regular file."""
+    return _check_regular(fd, name).st_size
+
+
+def write_beside(path: StrPath, data: bytes, like: int) -> None:
+    """Replace `path` (in a job's directory) by a new file holding `data`, made as the ``.1`` backup
+    is (no symlink followed, a racing file gives up) with the mode and owner of the file `like`."""
+    st = os.fstat(like)
+    out = _create_backup(Path(path))
+    try:
+        os.fchmod(out, stat.S_IMODE(st.st_mode) & 0o666)
+        if os.geteuid() == 0:
+            os.fchown(out, st.st_uid, st.st_gid)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view):]
+    finally:
+        os.close(out)
 
 
 def _check_regular(fd: int, name: StrPath) -> os.stat_result:
@@ -147,7 +144,8 @@ def _check_regular(fd: int, name: StrPath) -> os.stat_result:
     return st
 
 
-def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str) -> Rotated | None:
+def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str,
+               on_cut: Callable[[int, int], None] | None) -> Rotated | None:
     st = _check_regular(fd, name)
     due = plan(st.st_size, max_bytes)
     if due is None:
@@ -159,11 +157,16 @@ def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str) -> Rotated | No
         if os.geteuid() == 0:
             os.fchown(out, st.st_uid, st.st_gid)  # a system daemon: the backup is the rank owner's too
         end = _copy(fd, out, start, due.end)
-        grown = _check_regular(fd, name).st_size
-        if grown > end:  # what the rank wrote during the copy, up to another half limit
-            end = _copy(fd, out, end, min(grown, end + max(1, max_bytes // 2)))
+        limit = due.end + max(1, max_bytes // 2)
+        for _ in range(CATCH_UP):  # what the rank wrote during the copy, up to another half limit
+            grown = _check_regular(fd, name).st_size
+            if grown <= end or end >= limit:
+                break
+            end = _copy(fd, out, end, min(grown, limit))
+        if on_cut is not None:
+            on_cut(start, end)
+        os.ftruncate(fd, 0)  # at once: what the rank writes from the last size check to here is lost
         os.fsync(out)
-        os.ftruncate(fd, 0)
     finally:
         os.close(out)
     return Rotated(kept=end - start, dropped=start, backup=str(backup))

@@ -1,12 +1,23 @@
-"""One structlog configuration: JSON lines under systemd or in a pipe, console output on a TTY."""
+"""One structlog configuration, in the format the place it goes to wants.
+
+- `human` (the default on a terminal): one readable line per job state change, warnings and
+  errors (`logline`); `console`: every event, structlog's console renderer;
+- `journald` (the default when stderr is the journal stream systemd connected, JOURNAL_STREAM):
+  one native journal record per event, with its PRIORITY and JOB_ID/ATTEMPT/RANK fields (`journald`);
+- `json` (the default in a pipe or a file): one JSON object per line, every event.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+
+from .journald import JournalLoggerFactory, journal_socket, render_record, stream_is_journal
+from .logline import keep_for_terminal, render_line
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -18,22 +29,43 @@ def parse_level(name: str) -> int:
         raise ValueError(f"unknown log level {name!r}: use one of {', '.join(_LEVELS)}") from None
 
 
-def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+FORMATS = ("auto", "json", "console", "human", "journald")
+
+
+def resolve_format(fmt: str, out: TextIO) -> str:
+    """The format `auto` means for this stream: journald, human on a terminal, else json."""
+    if fmt != "auto":
+        return fmt
+    if stream_is_journal(out):
+        return "journald"
+    return "human" if out.isatty() else "json"
+
+
+def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None,
+                      journal: Path | None = None) -> None:
+    """`journal`: journald's socket (default: $DDPD_JOURNAL_SOCKET, else systemd's)."""
     out = stream or sys.stderr
-    use_json = fmt == "json" or (fmt == "auto" and not out.isatty())
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=out.isatty())
-    )
+    fmt = resolve_format(fmt, out)
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="%H:%M:%S" if fmt == "human" else "iso", utc=fmt != "human"),
+        structlog.processors.format_exc_info,
+    ]
+    factory: Any = structlog.PrintLoggerFactory(out)
+    if fmt == "journald":
+        processors.append(render_record)
+        factory = JournalLoggerFactory(journal or journal_socket(), out)
+    elif fmt == "human":
+        processors += [keep_for_terminal, render_line]
+    elif fmt == "console":
+        processors.append(structlog.dev.ConsoleRenderer(colors=out.isatty()))
+    else:
+        processors.append(structlog.processors.JSONRenderer())
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(parse_level(level)),
-        logger_factory=structlog.PrintLoggerFactory(out),
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )
     _flush_early()

@@ -43,10 +43,12 @@ def main() -> None:
 @click.option("--gpus", type=int, help="number of GPUs to schedule (default: what torch finds)")
 @click.option("--cpu-slots", type=int, help="CPU ranks that may run at once (default: cores)")
 @click.option("--heartbeat-interval", type=float, help="seconds between worker heartbeats")
-@click.option("--pool-size", type=click.IntRange(min=0), help="warm pre-started workers to keep (default 0: none)")
+@click.option("--pool-size", type=click.IntRange(min=0),
+              help="warm pre-started workers to keep in all (default 4; 0: none)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-format", type=click.Choice(["auto", "json", "console"]),
-              help="auto: JSON lines unless stderr is a terminal")
+@click.option("--log-format", type=click.Choice(["auto", "json", "console", "human", "journald"]),
+              help="auto: journald when stderr is the journal, one line per job state change (human) on a "
+                   "terminal, else JSON lines; console: every event, readable")
 @click.option("--metrics-listen", metavar="HOST:PORT",
               help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
 @click.option("--allow-root-jobs", is_flag=True, default=None,

@@ -1,79 +1,73 @@
-"""An optional Prometheus endpoint (off by default, loopback by default), text format written by hand.
+"""An optional Prometheus endpoint (off by default, loopback by default), exposed through prometheus-client.
 
-Gauges are read from the scheduler at scrape time; durations and counters are folded in from the
-daemon's event bus, so they count exactly what the journal records.
+The series live in a private `CollectorRegistry`: a custom collector (`DaemonCollector`) reads the
+scheduler, the curves and the last resource sample at scrape time; the durations are
+prometheus-client Histograms and the counters are folded in from the daemon's event bus, so they count
+exactly what the journal records; `ProcessCollector` and `PlatformCollector` describe the daemon's own
+process. Per scrape, the ranks' memory and CPU time and the GPUs (NVML, where present) are read in a
+worker thread within a bounded time (`samplers`); the exposition itself is `generate_latest`, on the
+event loop, so the collector reads the scheduler between two of its changes. Label values are escaped
+by the library.
+
+Series: ddpd_info, ddpd_uptime_seconds, ddpd_jobs{state}, ddpd_queue_depth, ddpd_ranks{state},
+ddpd_rank_heartbeat_age_seconds / ddpd_rank_step / ddpd_rank_resident_memory_bytes /
+ddpd_rank_cpu_seconds_total {job_id,attempt,rank}, ddpd_job_step / ddpd_job_loss /
+ddpd_job_steps_per_second {job_id}, ddpd_cpu_slots{kind}, ddpd_gpus{kind}, ddpd_gpu_memory_used_bytes /
+ddpd_gpu_memory_total_bytes / ddpd_gpu_utilization_percent {gpu,uuid}, ddpd_gpu_job{gpu,job_id},
+ddpd_launch_seconds, ddpd_teardown_seconds, ddpd_jobs_finished_total{state}, ddpd_job_restarts_total,
+ddpd_heartbeats_missed_total, ddpd_metrics_ranks_unsampled, process_*, python_info.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterator
 
 import anyio
-import structlog
-from anyio.abc import SocketAttribute, SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
-from anyio.streams.stapled import MultiListener
+import anyio.to_thread
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..protocol import JobState, RankState
 from ..protocol.control import EventView
 from .bus import EventBus
+from .curves import CurveStore
+from .metrics_http import MetricsServer
+from .samplers import RankTarget, Usage, sample
 from .scheduler import Scheduler
 
-log = structlog.get_logger("ddpd")
+__all__ = ["Metrics", "MetricsServer"]
 
 LAUNCH_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 TEARDOWN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_REQUEST = 8192
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-
-    def lines(self, name: str) -> Iterable[str]:
-        for bound, count in zip(self.buckets, self.counts, strict=True):
-            yield f'{name}_bucket{{le="{bound:g}"}} {count}'
-        yield f'{name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{name}_sum {self.sum:.6f}"
-        yield f"{name}_count {self.count}"
-
-
-def _labels(**kw: Any) -> str:
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in kw.items())
-    return "{" + inner + "}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+SAMPLE_TIMEOUT = 5.0  # seconds a scrape waits for the resource sample; past it, the scrape goes without
 
 
 class Metrics:
     """What the endpoint serves; `consume` keeps the event-derived series up to date."""
 
-    def __init__(self, scheduler: Scheduler, started: float, version: str) -> None:
+    def __init__(self, scheduler: Scheduler, started: float, version: str, curves: CurveStore | None = None,
+                 *, gpus: bool = True) -> None:
         self.scheduler = scheduler
         self.started = started
         self.version = version
-        self.launch = Histogram(LAUNCH_BUCKETS)
-        self.teardown = Histogram(TEARDOWN_BUCKETS)
+        self.curves = curves
+        self.gpus = gpus  # read GPUs through NVML at scrape time
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.launch = Histogram("ddpd_launch_seconds", "From an attempt's start to all its ranks joined.",
+                                buckets=LAUNCH_BUCKETS, registry=self.registry)
+        self.teardown = Histogram("ddpd_teardown_seconds", "Duration of an attempt's teardown.",
+                                  buckets=TEARDOWN_BUCKETS, registry=self.registry)
         self.finished: dict[str, int] = {}
         self.heartbeats_missed = 0
         self.restarts = 0
         self._starting: dict[tuple[str, int | None], float] = {}
+        self.collector = DaemonCollector(self)
+        self.registry.register(self.collector)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self._limiter = anyio.CapacityLimiter(1)  # one resource sample at a time
 
     def observe(self, event: EventView) -> None:
         key = (event.job_id or "", event.attempt)
@@ -104,101 +98,128 @@ class Metrics:
                 async for event in stream:
                     self.observe(event)
 
-    def render(self) -> str:
+    def targets(self) -> list[RankTarget]:
+        """The live ranks of running jobs, with their pids."""
         sched = self.scheduler
-        now = time.monotonic()
-        out: list[str] = []
+        return [RankTarget(job.id, r.attempt, r.rank, r.pid)
+                for job in sched.unended.values() if job.id in sched.running
+                for r in job.ranks if r.pid is not None and r.state is not RankState.EXITED]
 
-        def metric(name: str, kind: str, help_: str, samples: Iterable[str]) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(samples)
+    async def render(self) -> bytes:
+        """One scrape: the resource sample off the loop (bounded), then the exposition."""
+        targets = self.targets()
+        usage = Usage(skipped=len(targets))  # what the scrape shows if the sample does not come in time
+        with anyio.move_on_after(SAMPLE_TIMEOUT):
+            usage = await anyio.to_thread.run_sync(lambda: sample(targets, gpus=self.gpus),
+                                                   limiter=self._limiter, abandon_on_cancel=True)
+        self.collector.usage = usage  # no await from here to the end of the exposition
+        return generate_latest(self.registry)
 
-        metric("ddpd_info", "gauge", "Daemon version.", [f"ddpd_info{_labels(version=self.version)} 1"])
-        metric("ddpd_uptime_seconds", "gauge", "Seconds since the daemon started.",
-               [f"ddpd_uptime_seconds {now - self.started:.3f}"])
+
+def _gauge(name: str, help_: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_, labels=labels)
+
+
+class DaemonCollector(Collector):
+    """The scheduler's, the curves' and the last sample's series, read when the registry is collected."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.usage = Usage()
+
+    def describe(self) -> list[Metric]:
+        return []  # names are not registered up front: the collector's series vary with the jobs
+
+    def collect(self) -> Iterator[Metric]:
+        m, sched, now = self.metrics, self.metrics.scheduler, time.monotonic()
+        info = _gauge("ddpd_info", "Daemon version.", ["version"])
+        info.add_metric([m.version], 1)
+        yield info
+        yield GaugeMetricFamily("ddpd_uptime_seconds", "Seconds since the daemon started.", value=now - m.started)
         by_state = {s.value: n for s, n in sched.state_counts().items()}
-        metric("ddpd_jobs", "gauge", "Jobs known to the daemon, by state.",
-               [f"ddpd_jobs{_labels(state=s)} {n}" for s, n in by_state.items()])
-        metric("ddpd_queue_depth", "gauge", "Jobs waiting in the queue.",
-               [f"ddpd_queue_depth {by_state[JobState.QUEUED.value]}"])
-        live = [j for j in sched.unended.values() if j.id in sched.running]
-        ranks = dict.fromkeys((s.value for s in RankState), 0)
-        ages: list[str] = []
-        steps: list[str] = []
-        for job in live:
-            for r in job.ranks:
-                ranks[r.state.value] += 1
-                if r.state is not RankState.EXITED and r.last_frame is not None:
-                    lbl = _labels(job_id=job.id, attempt=r.attempt, rank=r.rank)
-                    ages.append(f"ddpd_rank_heartbeat_age_seconds{lbl} {now - r.last_frame:.3f}")
-                    steps.append(f"ddpd_rank_step{lbl} {r.step}")
-        metric("ddpd_ranks", "gauge", "Ranks of running jobs, by state.",
-               [f"ddpd_ranks{_labels(state=s)} {n}" for s, n in ranks.items()])
-        metric("ddpd_rank_heartbeat_age_seconds", "gauge", "Seconds since the last frame of each live rank.", ages)
-        metric("ddpd_rank_step", "gauge", "Last step each live rank reported.", steps)
+        jobs = _gauge("ddpd_jobs", "Jobs known to the daemon, by state.", ["state"])
+        for state, n in by_state.items():
+            jobs.add_metric([state], n)
+        yield jobs
+        yield GaugeMetricFamily("ddpd_queue_depth", "Jobs waiting in the queue.",
+                                value=by_state.get(JobState.QUEUED.value, 0))
+        yield from self._ranks_and_jobs(now)
         res = sched.resources
-        metric("ddpd_cpu_slots", "gauge", "CPU slots, total and free.",
-               [f'ddpd_cpu_slots{{kind="total"}} {res.total_cpu}', f'ddpd_cpu_slots{{kind="free"}} {res.free_cpu}'])
-        metric("ddpd_gpus", "gauge", "GPUs, total and free.",
-               [f'ddpd_gpus{{kind="total"}} {res.total_gpus}', f'ddpd_gpus{{kind="free"}} {len(res.free_gpus)}'])
-        metric("ddpd_launch_seconds", "histogram", "From an attempt's start to all its ranks joined.",
-               self.launch.lines("ddpd_launch_seconds"))
-        metric("ddpd_teardown_seconds", "histogram", "Duration of an attempt's teardown.",
-               self.teardown.lines("ddpd_teardown_seconds"))
-        metric("ddpd_jobs_finished_total", "counter", "Jobs that reached a final state since the daemon started.",
-               [f"ddpd_jobs_finished_total{_labels(state=s)} {n}" for s, n in sorted(self.finished.items())])
-        metric("ddpd_job_restarts_total", "counter", "Attempts restarted after a failure.",
-               [f"ddpd_job_restarts_total {self.restarts}"])
-        metric("ddpd_heartbeats_missed_total", "counter", "rank.heartbeat_missed warnings.",
-               [f"ddpd_heartbeats_missed_total {self.heartbeats_missed}"])
-        return "\n".join(out) + "\n"
+        cpu = _gauge("ddpd_cpu_slots", "CPU slots, total and free.", ["kind"])
+        cpu.add_metric(["total"], res.total_cpu)
+        cpu.add_metric(["free"], res.free_cpu)
+        gpus = _gauge("ddpd_gpus", "GPUs, total and free.", ["kind"])
+        gpus.add_metric(["total"], res.total_gpus)
+        gpus.add_metric(["free"], len(res.free_gpus))
+        yield from (cpu, gpus)
+        yield from self._gpus()
+        finished = CounterMetricFamily("ddpd_jobs_finished_total",
+                                       "Jobs that reached a final state since the daemon started.", labels=["state"])
+        for state, n in sorted(m.finished.items()):
+            finished.add_metric([state], n)
+        yield finished
+        yield CounterMetricFamily("ddpd_job_restarts_total", "Attempts restarted after a failure.", value=m.restarts)
+        yield CounterMetricFamily("ddpd_heartbeats_missed_total", "rank.heartbeat_missed warnings.",
+                                  value=m.heartbeats_missed)
+        yield GaugeMetricFamily("ddpd_metrics_ranks_unsampled",
+                                "Live ranks whose memory and CPU the last scrape could not read in time.",
+                                value=self.usage.skipped)
 
+    def _ranks_and_jobs(self, now: float) -> Iterator[Metric]:
+        m, sched = self.metrics, self.metrics.scheduler
+        rank_labels = ["job_id", "attempt", "rank"]
+        states = dict.fromkeys((s.value for s in RankState), 0)
+        age = _gauge("ddpd_rank_heartbeat_age_seconds", "Seconds since the last frame of each live rank.", rank_labels)
+        step = _gauge("ddpd_rank_step", "Last step each live rank reported.", rank_labels)
+        job_step = _gauge("ddpd_job_step", "Highest step the job's ranks reported (running jobs).", ["job_id"])
+        job_loss = _gauge("ddpd_job_loss", "The job's last loss on its curve (running jobs).", ["job_id"])
+        job_rate = _gauge("ddpd_job_steps_per_second", "The job's steps per second at its curve's last point.",
+                          ["job_id"])
+        for job in (j for j in sched.unended.values() if j.id in sched.running):
+            for r in job.ranks:
+                states[r.state.value] += 1
+                if r.state is not RankState.EXITED and r.last_frame is not None:
+                    labels = [job.id, str(r.attempt), str(r.rank)]
+                    age.add_metric(labels, now - r.last_frame)
+                    step.add_metric(labels, r.step)
+            if job.ranks:
+                job_step.add_metric([job.id], max(r.step for r in job.ranks))
+            last = None if m.curves is None else m.curves.latest(job.id)
+            if last is not None and last.loss is not None:
+                job_loss.add_metric([job.id], last.loss)
+            if last is not None and (rate := last.rate()) is not None:
+                job_rate.add_metric([job.id], rate)
+        ranks = _gauge("ddpd_ranks", "Ranks of running jobs, by state.", ["state"])
+        for state, n in states.items():
+            ranks.add_metric([state], n)
+        rss = _gauge("ddpd_rank_resident_memory_bytes", "Resident memory of each live rank's process.", rank_labels)
+        cpu = CounterMetricFamily("ddpd_rank_cpu_seconds_total", "CPU time (user and system) of each live rank's "
+                                  "process.", labels=rank_labels)
+        for used in self.usage.ranks:
+            t = used.target
+            labels = [t.job_id, str(t.attempt), str(t.rank)]
+            rss.add_metric(labels, used.rss)
+            cpu.add_metric(labels, used.cpu_seconds)
+        yield from (ranks, age, step, rss, cpu, job_step, job_loss, job_rate)
 
-class MetricsServer:
-    """A minimal HTTP/1.0 server: GET /metrics, one request per connection."""
-
-    def __init__(self, render: Callable[[], str], token: str | None) -> None:
-        self.render = render
-        self.token = token
-
-    @staticmethod
-    async def listen(host: str, port: int) -> MultiListener[SocketStream]:
-        """Bound before the daemon reports ready, so a taken port is an error at start."""
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-        ports = sorted({sub.extra(SocketAttribute.local_port) for sub in listener.listeners})
-        log.info("metrics.listening", host=host, port=ports[0] if ports else None)
-        return listener
-
-    async def serve(self, listener: MultiListener[SocketStream]) -> None:
-        async with listener:
-            await listener.serve(self._handle)
-
-    async def _handle(self, stream: SocketStream) -> None:
-        async with stream:
-            try:
-                with anyio.fail_after(10):
-                    head = await BufferedByteReceiveStream(stream).receive_until(b"\r\n\r\n", MAX_REQUEST)
-                    status, body = self._answer(head)
-                    payload = body.encode()
-                    ctype = CONTENT_TYPE if status.startswith("200") else "text/plain; charset=utf-8"
-                    await stream.send(
-                        f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n"
-                        f"Connection: close\r\n\r\n".encode() + payload)
-            except (TimeoutError, anyio.DelimiterNotFound, anyio.IncompleteRead, anyio.EndOfStream,
-                    anyio.BrokenResourceError, OSError):
-                return
-
-    def _answer(self, head: bytes) -> tuple[str, str]:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split()
-        if len(parts) != 3 or parts[0] != "GET":
-            return "405 Method Not Allowed", "only GET /metrics\n"
-        if self.token is not None:
-            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return "401 Unauthorized", "a bearer token is required\n"
-        if parts[1].split("?")[0] != "/metrics":
-            return "404 Not Found", "try /metrics\n"
-        return "200 OK", self.render()
+    def _gpus(self) -> Iterator[Metric]:
+        if not self.usage.gpus:
+            return  # no NVML (or no GPU): no GPU series
+        sched = self.metrics.scheduler
+        labels = ["gpu", "uuid"]
+        used = _gauge("ddpd_gpu_memory_used_bytes", "Memory in use on each GPU (NVML).", labels)
+        total = _gauge("ddpd_gpu_memory_total_bytes", "Memory of each GPU (NVML).", labels)
+        util = _gauge("ddpd_gpu_utilization_percent", "Each GPU's utilisation over the driver's last sample period.",
+                      labels)
+        holder = _gauge("ddpd_gpu_job", "1 for each GPU and the running job that holds it.", ["gpu", "job_id"])
+        # a job's GPU indices count the daemon's GPUs in order (its CUDA_VISIBLE_DEVICES, else all of them)
+        held = {i: job.id for job in sched.unended.values() if job.id in sched.running for i in job.gpus}
+        for position, gpu in enumerate(self.usage.gpus):
+            key = [str(gpu.index), gpu.uuid]
+            used.add_metric(key, gpu.memory_used)
+            total.add_metric(key, gpu.memory_total)
+            if gpu.utilization is not None:
+                util.add_metric(key, gpu.utilization)
+            if (job_id := held.get(position)) is not None:
+                holder.add_metric([str(gpu.index), job_id], 1)
+        yield from (used, total, util, holder)

@@ -83,8 +83,10 @@ def spawn(
     process_group: int,
     identity: Identity | None = None,
     place: Callable[[int], None] | None = None,
+    err_fd: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start a fresh interpreter with stdin /dev/null and stdout+stderr to `log_fd` (the caller's to close).
+    """Start a fresh interpreter with stdin /dev/null, stdout to `log_fd` and stderr to `err_fd` (None:
+    to `log_fd` too); the fds are the caller's to close.
 
     `process_group` 0 makes the child the leader of a new group; a pgid joins that group. With an
     `identity` (a root daemon starting a user's rank) or a `place` (entering the attempt's cgroup),
@@ -92,14 +94,15 @@ def spawn(
     working directory entered as that user, then `argv` exec'd; same pid throughout. Without
     either, it is started directly, as the daemon. OSError when the start fails.
     """
+    err = subprocess.STDOUT if err_fd is None else err_fd
     if identity is not None or place is not None:
         return spawn_gated(argv, env, cwd, identity, place or _stay, stdin=subprocess.DEVNULL, stdout=log_fd,
-                           stderr=subprocess.STDOUT, pass_fds=tuple(pass_fds), process_group=process_group)
+                           stderr=err, pass_fds=tuple(pass_fds), process_group=process_group)
     return subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
         stdout=log_fd,
-        stderr=subprocess.STDOUT,
+        stderr=err,
         env=dict(env),
         cwd=cwd,
         pass_fds=tuple(pass_fds),

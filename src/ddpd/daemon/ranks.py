@@ -38,7 +38,7 @@ from .channel import WorkerChannel
 from .clock import Clock
 from .deadlines import RankClock
 from .journal import Journal
-from .logrotate import Throttle
+from .logindex import RankLogs
 from .outcome import Outcome
 from .records import Job, Rank
 
@@ -102,9 +102,7 @@ class RankHandle:
     last_progress_event: float = 0.0
     missed_reported: float | None = None
     asked: dict[int, StacksAsked] = field(default_factory=dict)  # AskStacks requests awaiting their answer
-    log_fd: int | None = None  # the daemon's own fd of the rank log, for rotation (None: not rotated)
-    log_check: Throttle = field(default_factory=Throttle)  # at most one size check a second
-    log_tick: anyio.Event = field(default_factory=anyio.Event)  # set by the reader when a check is due
+    logs: RankLogs | None = None  # the daemon's side of its stdout and stderr logs
 
     def fail(self, now: float) -> None:
         """Record the first sign of failure (its time ranks root causes)."""
@@ -177,8 +175,6 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
     rank, job, journal = h.rank, ctx.job, ctx.journal
     match msg:
         case Heartbeat(step=step):
-            if h.log_fd is not None and h.log_check.ready(now):
-                h.log_tick.set()  # the attempt's rotation task checks the log's size off the loop
             if step != rank.step:
                 rank.step = step
                 rank.last_step_change = now

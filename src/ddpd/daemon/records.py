@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 
@@ -53,6 +54,15 @@ class Rank:
         )
 
 
+class LogCut(NamedTuple):
+    """The last rotation of a live rank log: its count, and the bytes [start, end) of the live log
+    that its ``.1`` now holds (see logindex: a follower goes on from there)."""
+
+    generation: int
+    start: int
+    end: int
+
+
 @dataclass
 class Job:
     id: str
@@ -74,6 +84,10 @@ class Job:
     gpus: list[int] = field(default_factory=list)
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
     nodes: list[NodeView] = field(default_factory=list)  # a multi-node job's nodes, as this daemon knows them
+    waiting_on: list[str] | None = None  # dependencies not yet ended, as last looked at (None: not yet)
+    # each live rank log's last rotation, by path: set by the log keeper's thread just before the
+    # live log is emptied (one dict item assignment), read by the daemon's log readers
+    log_cuts: dict[str, LogCut] = field(default_factory=dict)
 
     def view(self) -> JobView:
         now = time.monotonic()
@@ -92,6 +106,8 @@ class Job:
             ranks=[r.view(now) for r in self.ranks],
             store_port=self.store_port,
             nodes=list(self.nodes),
+            waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
+            if self.state is JobState.QUEUED and self.spec.after else None,
         )
 
 
@@ -119,4 +135,15 @@ def rank_log(state_dir: Path, job_id: str, attempt: int, rank: int) -> Path:
 
 
 def rank_log_name(rank: int) -> str:
+    """A rank's stdout (before the split of its streams, its stdout and stderr together)."""
     return f"rank-{rank}.log"
+
+
+def rank_err_name(rank: int) -> str:
+    """A rank's stderr: faulthandler's stack dumps and tracebacks go there."""
+    return f"rank-{rank}.err"
+
+
+def stderr_log(log: str) -> str:
+    """The stderr file beside the rank log `log` (``rank-<r>.log`` -> ``rank-<r>.err``)."""
+    return log.removesuffix(".log") + ".err"

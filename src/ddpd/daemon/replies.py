@@ -9,7 +9,7 @@ text, and a page of `list` ends before its encoded size nears the limit.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
@@ -40,7 +40,14 @@ def summary_view(view: JobView) -> JobView:
     shape = JobSpec(nproc=spec.nproc, device=spec.device, gpus_per_rank=spec.gpus_per_rank, priority=spec.priority,
                     task=None, steps=0)
     return JobView(id=view.id, name="", state=view.state, owner_uid=view.owner_uid, submitted_at=view.submitted_at,
-                   spec=shape, attempt=view.attempt, started_at=view.started_at, finished_at=view.finished_at)
+                   spec=shape, attempt=view.attempt, started_at=view.started_at, finished_at=view.finished_at,
+                   queue_position=view.queue_position)
+
+
+def positioned(view: JobView, positions: Mapping[str, int]) -> JobView:
+    """The view with its place in the queue (`Scheduler.queue_positions`) where it is queued."""
+    place = positions.get(view.id)
+    return view if place == view.queue_position else msgspec.structs.replace(view, queue_position=place)
 
 
 def visible_view(view: JobView, detail: Detail) -> JobView:
@@ -68,14 +75,14 @@ def fit_view(view: JobView) -> JobView:
 
 
 def job_page(jobs: Iterable[Job], *, active_only: bool, limit: int, before: int | None,
-             detail: Detail = lambda owner: True) -> JobPage:
+             detail: Detail = lambda owner: True, positions: Mapping[str, int] | None = None) -> JobPage:
     """Newest first: at most `limit` jobs with seq below `before`; `next` continues, None at the end."""
     wanted = (j for j in jobs if (before is None or j.seq < before) and not (active_only and j.state.final))
     newest = heapq.nlargest(limit + 1, wanted, key=lambda j: j.seq)
     views: list[JobView] = []
     size = 0
     for job in newest[:limit]:
-        view = visible_view(job.view(), detail)
+        view = visible_view(positioned(job.view(), positions or {}), detail)
         n = len(msgspec.json.encode(view)) + 1
         if views and size + n > PAGE_BUDGET:
             break

@@ -29,6 +29,7 @@ from .admission import admit, check_key, check_limits, over_user_gpus
 from .attempt import Attempt, Outcome
 from .cgroups import AttemptCgroup, Subtree
 from .config import Config
+from .dependencies import Broken, Ready, resolve_after, states_of, verdict
 from .elastic import NodeError, check_endpoint
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
@@ -80,6 +81,11 @@ class Scheduler:
         """Up to `limit` jobs with seq below `before`, newest first."""
         return await self.table.page(limit, before, owner_uid=owner_uid, active=active)
 
+    def queue_positions(self) -> dict[str, int]:
+        """Each queued job's place in line (1: the next to start), in the order the scheduler admits them."""
+        waiting = (j for j in self.table.queued() if j.id not in self.running)
+        return {j.id: n for n, j in enumerate(waiting, start=1)}
+
     def state_counts(self) -> dict[JobState, int]:
         return self.table.state_counts()
 
@@ -110,7 +116,7 @@ class Scheduler:
         key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
         if key is not None and (existing := await self.table.by_key(*key)) is not None:
             return existing, True
-        spec = await admit(spec, self.config, self.resources)
+        spec = await resolve_after(await admit(spec, self.config, self.resources), self.table)
         try:
             await anyio.to_thread.run_sync(check_endpoint, spec, owner_uid)  # free, where this daemon serves it
         except NodeError as exc:
@@ -183,9 +189,13 @@ class Scheduler:
             self._wake = anyio.Event()
             if not self.accepting:
                 continue
-            for job in self.table.queued():  # strict order: the head of the queue is never overtaken
-                if job.id in self.running:
-                    continue  # started, not yet STARTING
+            queue = [job for job in self.table.queued() if job.id not in self.running]  # not those started
+            # a job waiting for its dependencies lets the jobs behind it start; one whose dependency
+            # failed fails now, whatever the queue is waiting for
+            blocked = {job.id for job in queue if job.spec.after and not await self._dependencies_met(job)}
+            for job in queue:  # strict order: the head of the queue is never overtaken
+                if job.id in blocked or job.state is not JobState.QUEUED:  # (cancelled while deps were read)
+                    continue
                 if len(self.running) >= self.config.max_running:
                     break
                 if over_user_gpus(self.config, (j for j in self.unended.values() if j.id in self.running), job):
@@ -196,6 +206,29 @@ class Scheduler:
                 job.gpus = gpus
                 self.running.add(job.id)
                 tg.start_soon(self._run_job, job)
+
+    async def _dependencies_met(self, job: Job) -> bool:
+        """Whether every job `job` waits for has SUCCEEDED; fails it when one ended otherwise."""
+        pending = job.spec.after if job.waiting_on is None else job.waiting_on
+        try:
+            states = await states_of(pending, self.lookup)
+        except Exception:  # the journal cannot be read now: the job waits, the queue goes on
+            log.exception("job.dependencies_unreadable", job_id=job.id)
+            return False
+        if job.state is not JobState.QUEUED:  # cancelled while they were read
+            return False
+        match verdict(states):
+            case Ready():
+                job.waiting_on = []
+                return True
+            case Broken(reason=reason):
+                job.root_cause = RootCause(reason=reason)
+                await self.journal.job_state(job, JobState.FAILED, reason, finish=False, root_cause=reason)
+                await self._ended(job)
+                self._notify()  # the jobs that wait for this one fail in turn
+            case waiting:
+                job.waiting_on = waiting.on
+        return False
 
     async def _run_job(self, job: Job) -> None:
         try:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream
 
@@ -37,6 +38,7 @@ from ..protocol.control import (
     LIST_LIMIT,
     Cancel,
     CancelResult,
+    CurveReq,
     DaemonInfo,
     DaemonInfoReq,
     End,
@@ -53,6 +55,7 @@ from ..protocol.control import (
     Reply,
     Request,
     RequestEnvelope,
+    Resubmit,
     StacksReq,
     Status,
     Submit,
@@ -64,11 +67,14 @@ from ..protocol.limits import clip_text
 from ..protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_dir
 from ..protocol.spec import reserved_env
 from .config import ConfigError
+from .curves import CurveStore, curve_result
 from .errors import DaemonError
+from .gpuview import daemon_gpus, with_rank_gpus
 from .identity import Identity, UnknownUser, check_serves, job_environment
 from .interpreters import InterpreterChecks
+from .jobids import resolve
 from .records import Job
-from .replies import Detail, clip_event, fit_view, job_page, visible_view
+from .replies import Detail, clip_event, fit_view, job_page, positioned, visible_view
 from .requests import FrameReader, ReadTimeout
 from .scheduler import Scheduler
 from .streams import job_events, log_chunks
@@ -79,7 +85,7 @@ log = structlog.get_logger("ddpd")
 _envelope: Decoder[RequestEnvelope] = Decoder(RequestEnvelope, limit=MAX_REQUEST)
 _request: Decoder[Request] = Decoder(Request, limit=MAX_REQUEST)
 _OPS = {"hello", "submit", "status", "list", "cancel", "wait", "logs", "events", "rm", "ping", "daemon", "reload",
-        "stacks"}
+        "stacks", "curve", "resubmit"}
 REFUSAL_LOG_INTERVAL = 10.0
 MESSAGE_LIMIT = 2000  # characters of an error message (it may quote what the client sent)
 
@@ -142,8 +148,9 @@ def secure_socket(path: Path, mode: int, group: str | None) -> None:
 
 class ControlServer:
     def __init__(self, scheduler: Scheduler, info: Callable[[], DaemonInfo],
-                 reload: Callable[[], Awaitable[None]]) -> None:
+                 reload: Callable[[], Awaitable[None]], curves: CurveStore | None = None) -> None:
         self.scheduler = scheduler
+        self.curves = curves
         self.info = info
         self.reload = reload
         self.interpreters = InterpreterChecks()
@@ -242,17 +249,24 @@ class ControlServer:
             return await self._send(stream, Error(id=rid, code=code, message=clip_text(str(exc), MESSAGE_LIMIT)))
         return True
 
+    async def _info_with_gpus(self) -> DaemonInfo:
+        """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview)."""
+        info = self.info()
+        if info.gpus == 0:
+            return info
+        running = [j for j in self.scheduler.unended.values() if j.id in self.scheduler.running]
+        devices, note = await daemon_gpus(running)
+        return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
+
     async def _job(self, job_id: str) -> Job:
-        job = await self.scheduler.lookup(job_id)
-        if job is None:
-            raise RequestError(ErrorCode.NOT_FOUND, f"no job {job_id!r}")
-        return job
+        """The job a request names: its id or a unique prefix (not_found, ambiguous: see jobids)."""
+        return await resolve(self.scheduler.table, job_id)
 
     async def _owned(self, job_id: str, uid: int, what: str) -> Job:
         job = await self._job(job_id)
         if uid not in (0, job.owner_uid):
             raise RequestError(ErrorCode.PERMISSION_DENIED,
-                               f"job {job_id} belongs to uid {job.owner_uid}; only it or root may {what} it")
+                               f"job {job.id} belongs to uid {job.owner_uid}; only it or root may {what} it")
         return job
 
     async def _identity(self, uid: int) -> Identity:
@@ -302,30 +316,33 @@ class ControlServer:
                                        f"client speaks protocol {version}, daemon {PROTOCOL_VERSION}")
                 yield Ok(id=rid, result={"version": PROTOCOL_VERSION, "daemon": __version__})
             case Submit(spec=spec, idempotency_key=key):
-                if not self.scheduler.accepting:
-                    raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-                spec = check_spec(spec)
-                await self._check_submitter(spec, uid)
-                job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
-                yield Ok(id=rid, result=SubmitResult(job_id=job.id, existing=existing))
+                yield Ok(id=rid, result=await self._submit(spec, uid, key))
+            case Resubmit(job_id=job_id, idempotency_key=key):
+                job = await self._owned(job_id, uid, "resubmit")  # its spec carries the owner's environment
+                if job.spec.task is None and job.spec.script is None:  # a stored spec that could not be read
+                    raise RequestError(ErrorCode.NOT_RUNNABLE, f"job {job.id} has no spec to submit again")
+                yield Ok(id=rid, result=await self._submit(job.spec, uid, key))
             case Status(job_id=job_id):
                 job = await self._job(job_id)
-                yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
+                view = await with_rank_gpus(positioned(job.view(), self.scheduler.queue_positions()), job)
+                yield Ok(id=rid, result=visible_view(view, await self._detail(uid)))
             case ListJobs(all=all_jobs, limit=limit, before=before):
                 limit = min(limit, LIST_LIMIT)
                 jobs = await self.scheduler.page(limit + 1, before, active=not all_jobs)
                 yield Ok(id=rid, result=job_page(jobs, active_only=not all_jobs, limit=limit, before=before,
-                                                 detail=await self._detail(uid)))
+                                                 detail=await self._detail(uid),
+                                                 positions=self.scheduler.queue_positions()))
             case Cancel(job_id=job_id, force=force):
                 yield Ok(id=rid, result=await self._cancel(await self._owned(job_id, uid, "cancel"), uid, force))
             case Wait(job_id=job_id):
                 job = await self._job(job_id)
                 await job.finished.wait()
                 yield Ok(id=rid, result=visible_view(job.view(), await self._detail(uid)))
-            case Logs(job_id=job_id, rank=rank):
+            case Logs(job_id=job_id, rank=rank, ranks=ranks):
                 job = await self._detailed(job_id, uid, "logs")
-                if rank is not None and not 0 <= rank < job.spec.nproc:
-                    raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
+                for r in ([] if rank is None else [rank]) + (ranks or []):
+                    if not 0 <= r < job.spec.nproc:
+                        raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {r}")
                 async for chunk in log_chunks(self.scheduler.config.state_dir, job, req):
                     yield Item(id=rid, item=chunk)
                 yield End(id=rid)
@@ -347,16 +364,28 @@ class ControlServer:
                 if rank is not None and not 0 <= rank < job.spec.nproc:
                     raise RequestError(ErrorCode.NOT_FOUND, f"job {job.id} has no rank {rank}")
                 yield Ok(id=rid, result=await attempt.stacks(rank, native))
+            case CurveReq(job_id=job_id):
+                job = await self._detailed(job_id, uid, "curve")
+                curve = None if self.curves is None else await self.curves.curve(job.id)
+                yield Ok(id=rid, result=curve_result(job, curve))
             case Ping():
                 yield Ok(id=rid, result="pong")
             case DaemonInfoReq():
-                yield Ok(id=rid, result=self.info())
+                yield Ok(id=rid, result=await self._info_with_gpus())
             case Reload():
                 if uid not in (0, os.getuid()):
                     raise RequestError(ErrorCode.PERMISSION_DENIED,
                                        f"only root or the daemon's user (uid {os.getuid()}) may reload it")
                 await self.reload()
                 yield Ok(id=rid, result=None)
+
+    async def _submit(self, spec: JobSpec, uid: int, key: str | None) -> SubmitResult:
+        if not self.scheduler.accepting:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        spec = check_spec(spec)
+        await self._check_submitter(spec, uid)
+        job, existing = await self.scheduler.submit(spec, uid, idempotency_key=key)
+        return SubmitResult(job_id=job.id, existing=existing)
 
     async def _cancel(self, job: Job, uid: int, force: bool) -> CancelResult:
         if job.state.final:

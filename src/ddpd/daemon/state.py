@@ -78,6 +78,10 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     data TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS curves (
+    job_id TEXT PRIMARY KEY,
+    data TEXT NOT NULL
+);
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, seq);
 CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 """

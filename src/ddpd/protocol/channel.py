@@ -111,7 +111,8 @@ class Assign(_W, tag="assign"):
     join_timeout: float
     checkpoint_dir: str
     pgid: int = 0  # 0: already in the right group (cold spawn); else setpgid to it
-    log_path: str = ""  # "": keep stdout/stderr (cold spawn); else append both to this file (warm pool)
+    log_path: str = ""  # "": keep stdout/stderr (cold spawn); else append stdout to this file (warm pool)
+    err_path: str = ""  # warm pool: append stderr to this file ("": to `log_path` too)
     unset: list[str] = msgspec.field(default_factory=list)  # warm pool: variables the job's environment lacks
 
 

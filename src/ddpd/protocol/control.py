@@ -7,10 +7,11 @@ frame limit by it (pages of `list`, clipped texts).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .logquery import MAX_TAIL
 from .nodes import NodeView
 from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
 
@@ -37,6 +38,13 @@ class Submit(_Req, tag="submit"):
     idempotency_key: IdempotencyKey | None = None
 
 
+class Resubmit(_Req, tag="resubmit"):
+    """Submit the stored spec of a job again (its owner or root): a new job, a new id."""
+
+    job_id: JobId
+    idempotency_key: IdempotencyKey | None = None
+
+
 class Status(_Req, tag="status"):
     job_id: JobId
 
@@ -59,10 +67,19 @@ class Wait(_Req, tag="wait"):
 
 
 class Logs(_Req, tag="logs"):
+    """A job's rank logs: `rank` or the rank set `ranks` (None: all), `stream` (stdout, stderr or
+    both, ordered by stamp), the last `tail` lines of each rank and/or lines stamped at or after
+    `since` (seconds since the epoch); see protocol.logquery and docs/logs.md."""
+
     job_id: JobId
     rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)] | None = None
     attempt: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None = None
     follow: bool = False
+    ranks: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)]],
+                     msgspec.Meta(min_length=1, max_length=MAX_NPROC)] | None = None
+    stream: Literal["stdout", "stderr", "both"] = "both"
+    tail: Annotated[int, msgspec.Meta(ge=0, le=MAX_TAIL)] | None = None
+    since: Annotated[float, msgspec.Meta(ge=0, le=1e11)] | None = None
 
 
 class Events(_Req, tag="events"):
@@ -94,6 +111,13 @@ class Ping(_Req, tag="ping"):
     pass
 
 
+class CurveReq(_Req, tag="curve"):
+    """A job's training curve (step, loss, steps per second), as the daemon keeps it: downsampled,
+    at most a few hundred points over the whole run (see CurveResult)."""
+
+    job_id: JobId
+
+
 class DaemonInfoReq(_Req, tag="daemon"):
     pass
 
@@ -103,7 +127,7 @@ class Reload(_Req, tag="reload"):
 
 
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload | StacksReq)
+           | Reload | StacksReq | CurveReq | Resubmit)
 
 
 class RequestEnvelope(msgspec.Struct):
@@ -163,6 +187,27 @@ class RootCause(msgspec.Struct, omit_defaults=True):
     detail: str | None = None
 
 
+class RankGpu(msgspec.Struct, omit_defaults=True):
+    """A GPU a rank was given, and the memory the rank's own process holds on it (bytes; None where
+    NVML cannot tell: no NVML, the process not on the GPU yet, or the driver hides it)."""
+
+    index: int
+    memory_used: int | None = None
+
+
+class GpuView(msgspec.Struct, omit_defaults=True):
+    """One GPU as `ddpctl daemon` shows it: NVML's memory (bytes) and utilisation (percent, None where
+    unknown), and the jobs holding it (given it by the scheduler, or with a rank's process on it)."""
+
+    index: int
+    name: str
+    memory_total: int
+    memory_used: int
+    utilization: int | None = None
+    jobs: list[str] = msgspec.field(default_factory=list)
+    other_processes: int = 0  # processes on it that are no rank of a running job
+
+
 class RankView(msgspec.Struct, omit_defaults=False):
     rank: int
     attempt: int
@@ -177,6 +222,7 @@ class RankView(msgspec.Struct, omit_defaults=False):
     checksum: float | None = None
     log: str | None = None
     stack_dump: bool = False
+    gpus: list[RankGpu] = msgspec.field(default_factory=list)
 
 
 class JobView(msgspec.Struct, omit_defaults=False):
@@ -194,6 +240,8 @@ class JobView(msgspec.Struct, omit_defaults=False):
     ranks: list[RankView] = msgspec.field(default_factory=list)
     store_port: int | None = None
     nodes: list[NodeView] = msgspec.field(default_factory=list)  # a multi-node job's nodes (protocol.nodes)
+    waiting_on: list[str] | None = None  # a queued job's dependencies (--after) that have not yet succeeded
+    queue_position: int | None = None  # while QUEUED: 1 is the next to start, in the scheduler's order
 
 
 class EventView(msgspec.Struct, omit_defaults=True):
@@ -214,6 +262,8 @@ class LogChunk(msgspec.Struct, omit_defaults=True):
     attempt: int
     text: str
     error: str | None = None
+    stream: str | None = None  # "stdout" or "stderr" (None: from a daemon that kept them together)
+    time: float | None = None  # when the daemon received these lines (seconds since the epoch)
 
 
 class SubmitResult(msgspec.Struct):
@@ -251,6 +301,32 @@ class DaemonInfo(msgspec.Struct):
     free_cpu_slots: int | None = None
     free_gpus: int | None = None
     pool_ready: int | None = None
+    gpu_devices: list[GpuView] = msgspec.field(default_factory=list)
+    gpu_note: str | None = None  # why gpu_devices is empty on a daemon with GPUs (NVML unavailable...)
+
+
+class CurvePoint(msgspec.Struct, array_like=True):
+    """One point of a curve: the wall time and step of its last sample, the mean loss of the samples it
+    merged (None: no finite loss among them) and the steps per second over the time it covers."""
+
+    time: float
+    step: int
+    loss: float | None = None
+    steps_per_second: float | None = None
+
+
+class CurveResult(msgspec.Struct, omit_defaults=True):
+    """A job's curve, oldest point first. `steps`: the job's target step count (task mode; None for a
+    script); `stride`: samples merged per point; `backwards`: samples kept out because their step went
+    back; `nonfinite`: NaN or infinite losses kept out."""
+
+    job_id: str
+    state: str
+    points: list[CurvePoint]
+    steps: int | None = None
+    stride: int = 1
+    backwards: int = 0
+    nonfinite: int = 0
 
 
 class StackGroup(msgspec.Struct, omit_defaults=True):

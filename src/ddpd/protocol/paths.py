@@ -1,8 +1,9 @@
 """Where the control socket and the state directory live by default (shared by daemon and client).
 
-A per-user socket lives in a directory under a world-writable place (`/tmp/ddpd-$UID` when there
-is no `$XDG_RUNTIME_DIR`): another local user can create that directory first and receive the
-submissions sent to it. `check_socket_dir` refuses such a directory (the client checks before it
+A per-user daemon's directories are the user's as platformdirs finds them (XDG). Its socket may
+live in a directory under a world-writable place (`/tmp/ddpd-$UID` when the user has no runtime
+directory): another local user can create that directory first and receive the submissions sent
+to it. `check_socket_dir` refuses such a directory (the client checks before it
 connects), and `make_runtime_dir` creates it 0700 (the daemon, before it binds).
 """
 
@@ -11,7 +12,11 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import tempfile
+import warnings
 from pathlib import Path
+
+import platformdirs
 
 SYSTEM_SOCKET = Path("/run/ddpd/ddpd.sock")
 
@@ -69,9 +74,17 @@ def make_runtime_dir(path: Path) -> None:
 
 
 def user_runtime_dir() -> Path:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "ddpd"
+    """`ddpd` in the user's runtime directory as platformdirs finds it ($XDG_RUNTIME_DIR when it is a
+    private directory of the user, as the XDG spec asks, else /run/user/$UID); /tmp/ddpd-$UID where
+    the user has none (a container, a cron job)."""
+    try:
+        with warnings.catch_warnings():  # platformdirs warns of each fallback: the one here is ours
+            warnings.simplefilter("ignore")
+            base = Path(platformdirs.user_runtime_dir())
+    except OSError:  # its own temporary fallback planted by someone else
+        base = None
+    if base is not None and base.is_dir() and base.parent != Path(tempfile.gettempdir()):
+        return base / "ddpd"
     return Path(f"/tmp/ddpd-{os.getuid()}")
 
 
@@ -91,9 +104,7 @@ def daemon_state_dir() -> Path:
         return Path(state.split(":")[0])
     if os.getuid() == 0:
         return Path("/var/lib/ddpd")
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
-    return base / "ddpd"
+    return platformdirs.user_state_path("ddpd")  # $XDG_STATE_HOME/ddpd, else ~/.local/state/ddpd
 
 
 def client_socket_path() -> Path:

@@ -40,6 +40,11 @@ MAX_ENVIRON_TOTAL = 1 << 20  # bytes of names and values together (the request l
 MAX_EXPORT = 4096
 MAX_OPTION_KEY = 64
 MAX_OPTION_TEXT = 4096
+MAX_AFTER = 32  # jobs one job may wait for (--after)
+MAX_JOB_ID = 64
+MIN_MEMORY = 1 << 20  # bytes: a job's memory limit is at least 1 MiB
+MAX_MEMORY = 1 << 50
+MAX_CPUS = 65536.0
 
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -97,6 +102,16 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     rdzv_backend: Literal["c10d"] = "c10d"
     rdzv_keep_alive: Annotated[float, msgspec.Meta(ge=1, le=3600)] | None = None  # a silent node is lost
     rdzv_last_call: Annotated[float, msgspec.Meta(ge=0, le=3600)] | None = None  # wait after MIN nodes joined
+    # jobs that must all have SUCCEEDED before this one starts (Slurm's afterok); the daemon stores
+    # them as full ids, whatever prefix was submitted
+    after: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
+                     msgspec.Meta(max_length=MAX_AFTER)] = msgspec.field(default_factory=list)
+    # limits of the attempt's cgroup (memory.max, cpu.max) where the daemon has those controllers;
+    # reported as unavailable (event job.limits) where it has not
+    memory: Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)] | None = None  # bytes
+    cpus: Annotated[float, msgspec.Meta(gt=0, le=MAX_CPUS)] | None = None
+    # bytes of each rank log before it rotates; at most the daemon's rank_log_max (None: that)
+    log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | None = None
 
 
 class SpecError(ValueError):
@@ -201,6 +216,12 @@ def _check_texts(spec: JobSpec) -> None:
     check_text("export", spec.export, MAX_EXPORT)
     if spec.environ is not None:
         check_environ(spec.environ)
+    if len(spec.after) > MAX_AFTER:
+        raise SpecError("after", f"more than {MAX_AFTER} jobs")
+    for i, dep in enumerate(spec.after):
+        check_text(f"after[{i}]", dep, MAX_JOB_ID)
+        if not dep:
+            raise SpecError(f"after[{i}]", "an empty job id")
     if len(spec.options) > MAX_OPTIONS:
         raise SpecError("options", f"more than {MAX_OPTIONS} options")
     for key, option in spec.options.items():

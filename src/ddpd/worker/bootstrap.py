@@ -49,6 +49,18 @@ POOL_IMPORTS = (
 )
 
 
+def pool_imports() -> None:
+    """Import what DDP imports lazily, leaving the environment as it was: some of these modules set
+    variables as they load (torch._inductor: TORCHINDUCTOR_CACHE_DIR), which a cold start of the
+    job would not have before its own code ran."""
+    before = dict(os.environ)
+    for name in POOL_IMPORTS:
+        importlib.import_module(name)
+    for key in [k for k in os.environ if k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` when the parent (the daemon) dies."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -117,16 +129,19 @@ def send_heartbeats(runtime: Runtime, interval: float) -> None:
         time.sleep(interval)
 
 
-def redirect_output(path: str) -> None:
-    """Append stdout and stderr (fds 1 and 2, so faulthandler and C++ output too) to `path`."""
+def redirect_output(path: str, err_path: str = "") -> None:
+    """Append stdout (fd 1) to `path` and stderr (fd 2, so faulthandler and C++ output too) to
+    `err_path` (or to `path` too)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-    finally:
-        os.close(fd)
+    targets = [(path, (1,)), (err_path, (2,))] if err_path else [(path, (1, 2))]
+    for target, fds in targets:
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            for out in fds:
+                os.dup2(fd, out)
+        finally:
+            os.close(fd)
 
 
 def apply_assignment(assign: Assign) -> None:
@@ -138,7 +153,7 @@ def apply_assignment(assign: Assign) -> None:
     if assign.pgid > 0 and os.getpgrp() != assign.pgid:
         os.setpgid(0, assign.pgid)
     if assign.log_path:
-        redirect_output(assign.log_path)
+        redirect_output(assign.log_path, assign.err_path)
     for key in assign.unset:
         os.environ.pop(key, None)
     os.environ.update(assign.env)
@@ -208,8 +223,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     import torch
 
     if args.pool:
-        for name in POOL_IMPORTS:
-            importlib.import_module(name)
+        pool_imports()
 
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)

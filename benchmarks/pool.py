@@ -1,0 +1,161 @@
+"""``python -m benchmarks.pool [--rounds N] [--json PATH]``: the warm pool with its default size.
+
+One daemon with the default pool config (no ``pool_size`` given), the jobs submitted as ``ddpctl
+submit`` sends them (this interpreter, this shell's whole environment), so they use the pool of
+their (user, interpreter, environment) key, which the pool learns from the first job:
+
+- **back to back**: each round submits the classic two-layer job as a task (2 ranks, 20 steps)
+  and, as soon as it has SUCCEEDED, the same program as an unmodified torchrun script; each is
+  timed from submit to SUCCEEDED and counted as warm when all its ranks were pooled. Round 1 is
+  reported apart: its jobs find the pool filling (the daemon's own key is learned at its start,
+  since it serves its own user; another key is learned from its first job).
+- **torchrun** and **mp.spawn** run the same classic program, alternating with the rounds, for the
+  ratios.
+- **memory**: the resident (VmRSS) and proportional (Pss, shared pages split) memory of each
+  pooled interpreter that is ready, once the rounds are over.
+
+Prints medians and ranges and writes them as JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from ddpd.protocol import JobSpec
+
+from .common import (
+    DDP_SCRIPT,
+    FINAL,
+    SPAWN,
+    TORCHRUN_NAME,
+    BenchError,
+    Daemon,
+    rss_mib,
+    start_daemon,
+    start_launcher,
+    state_is,
+    stop_daemon,
+    why,
+)
+
+STEPS = 20
+
+
+def as_ddpctl(**fields: Any) -> JobSpec:
+    return JobSpec(nproc=2, python=sys.executable, environ=dict(os.environ), export="ALL", **fields)
+
+
+async def timed_job(d: Daemon, spec: JobSpec) -> tuple[float, bool]:
+    t0 = time.perf_counter()
+    job_id = await d.client.submit(spec)
+    t_done, done = await d.events.wait(job_id, state_is(*FINAL))
+    if done.data.get("to") != "SUCCEEDED":
+        view = await d.client.status(job_id)
+        raise BenchError(f"job {job_id} ended {view.state}: {why(view.root_cause)}\n{d.log_tail()}")
+    pooled = [e.data.get("pooled") for _, e in d.events.by_job[job_id] if e.kind == "rank.spawned"]
+    return t_done - t0, bool(pooled) and all(pooled)
+
+
+async def timed_launcher(base: Path, kind: str) -> float:
+    run = await start_launcher(kind, base, ["--task", "two-layer", "--steps", str(STEPS)])
+    try:
+        rc = await run.proc.wait()
+        if rc != 0:
+            raise BenchError(f"{kind} exited with {rc}:\n{run.log_tail()}")
+        return time.perf_counter() - run.t0
+    finally:
+        run.kill()
+
+
+def pool_pids(d: Daemon) -> list[int]:
+    ready: set[int] = set()
+    for line in d.log_path.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "pool.worker_ready":
+            ready.add(int(e["pid"]))
+        elif e.get("event") in ("pool.worker_taken", "pool.worker_died", "pool.worker_retired"):
+            ready.discard(int(e["pid"]))
+    return sorted(p for p in ready if Path(f"/proc/{p}").exists())
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+async def measure(rounds: int) -> dict[str, Any]:
+    times: dict[str, list[float]] = {"task (warm)": [], "script (warm)": [], "round 1": [],
+                                     TORCHRUN_NAME: [], SPAWN: []}
+    cold_after_first = 0
+    with tempfile.TemporaryDirectory(prefix="ddpd-pool-") as tmp:
+        base = Path(tmp)
+        d = await start_daemon(base, "pool")
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(d.follow_events)
+                for n in range(rounds):
+                    for name, spec in (("task", as_ddpctl(task="two-layer", steps=STEPS)),
+                                       ("script", as_ddpctl(script=[DDP_SCRIPT, "--task", "two-layer", "--steps",
+                                                                    str(STEPS), "--stamps", str(base / f"s{n}")]))):
+                        seconds, warm = await timed_job(d, spec)
+                        if n == 0:
+                            times["round 1"].append(seconds)
+                        elif warm:
+                            times[f"{name} (warm)"].append(seconds)
+                        else:
+                            cold_after_first += 1
+                        print(f"round {n + 1} {name:6} {seconds:.3f}s {'warm' if warm else 'cold'}", flush=True)
+                    for kind in (TORCHRUN_NAME, SPAWN):
+                        times[kind].append(await timed_launcher(base, kind))
+                        print(f"round {n + 1} {kind:8} {times[kind][-1]:.3f}s", flush=True)
+                pids = pool_pids(d)
+                memory = {"pids": len(pids), "rss_mib": [round(rss_mib(p), 1) for p in pids],
+                          "pss_mib": [round(_pss_mib(p), 1) for p in pids]}
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stop_daemon(d)
+    result: dict[str, Any] = {k: summary(v) for k, v in times.items() if v}
+    result["cold_after_first"] = cold_after_first
+    result["memory"] = memory
+    for name in ("task (warm)", "script (warm)"):
+        if name in result and TORCHRUN_NAME in result:
+            result[f"{name} / torchrun"] = result[name]["median"] / result[TORCHRUN_NAME]["median"]
+            result[f"{name} / mp.spawn"] = result[name]["median"] / result[SPAWN]["median"]
+    return result
+
+
+def _pss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.pool", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    result = anyio.run(measure, args.rounds)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0 if result["cold_after_first"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

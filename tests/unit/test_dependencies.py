@@ -1,0 +1,94 @@
+"""`--after` decided as pure logic, and job ids resolved against a real journal (SQLite file)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.daemon.bus import EventBus
+from ddpd.daemon.dependencies import Broken, Ready, Waiting, resolve_after, verdict
+from ddpd.daemon.jobids import MAX_CANDIDATES, AmbiguousJobError, UnknownJobError, resolve
+from ddpd.daemon.journal import Journal
+from ddpd.daemon.records import Job
+from ddpd.daemon.state import StateDB
+from ddpd.daemon.table import JobTable
+from ddpd.protocol import ErrorCode, JobSpec, JobState, SpecError
+
+pytestmark = pytest.mark.anyio
+
+Q, R, S, F, C = JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED
+
+
+def test_verdict() -> None:
+    assert verdict({}) == Ready()
+    assert verdict({"j1-a": S, "j2-b": S}) == Ready()
+    assert verdict({"j1-a": S, "j2-b": R, "j3-c": Q}) == Waiting(["j2-b", "j3-c"])
+    assert verdict({"j1-a": R, "j2-b": F}) == Broken("dependency j2-b FAILED")
+    assert verdict({"j1-a": C}) == Broken("dependency j1-a CANCELLED")
+    assert verdict({"j1-a": JobState.TIMED_OUT}) == Broken("dependency j1-a TIMED_OUT")
+    assert verdict({"j1-a": None}) == Broken("dependency j1-a no longer exists")
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Iterator[JobTable]:
+    db = StateDB(tmp_path / "ddpd.db")
+
+    async def no_sleep(_: float) -> None:
+        await anyio.lowlevel.checkpoint()
+
+    yield JobTable(Journal(db, EventBus(), retries=(0.0,), sleep=no_sleep), history=2)
+    db.close()
+
+
+async def add(table: JobTable, job_id: str, seq: int) -> Job:
+    job = Job(id=job_id, seq=seq, name="t", owner_uid=1000, spec=JobSpec(task="two-layer"), state=JobState.QUEUED,
+              submitted_at=time.time())
+    await table.journal.create_job(job)
+    table.add(job)
+    return job
+
+
+async def test_ids_resolve_whole_by_number_or_by_unique_prefix(table: JobTable) -> None:
+    for seq in (1, 10, 11, 2):
+        await add(table, f"j{seq}-ab{seq:02d}", seq)
+    table.forget(table.jobs["j10-ab10"])  # only in the journal now: found there all the same
+    assert (await resolve(table, "j1-ab01")).id == "j1-ab01"
+    assert (await resolve(table, "j1")).id == "j1-ab01"  # job number 1, not j10 or j11
+    assert (await resolve(table, "j10")).id == "j10-ab10"
+    assert (await resolve(table, "j10-a")).id == "j10-ab10"
+    assert (await resolve(table, "j2-")).id == "j2-ab02"
+    with pytest.raises(AmbiguousJobError) as info:
+        await resolve(table, "j")
+    assert info.value.code == ErrorCode.AMBIGUOUS
+    assert info.value.candidates == ["j1-ab01", "j2-ab02", "j10-ab10", "j11-ab11"]
+    for text in ("j3", "j12-", "x", "j1-ab01x", "j1%", "j\udc80", "j1\x00", "j1-ab01\n"):
+        with pytest.raises(UnknownJobError):
+            await resolve(table, text)
+    await table.journal.delete_job("j1-ab01")
+    table.forget(table.jobs["j1-ab01"], deleted=True)
+    with pytest.raises(AmbiguousJobError) as info:  # no job 1 now: "j1" is a prefix of j10 and j11
+        await resolve(table, "j1")
+    assert info.value.candidates == ["j10-ab10", "j11-ab11"] and "j10-ab10, j11-ab11" in info.value.message
+
+
+async def test_an_ambiguous_prefix_lists_a_bounded_number_of_candidates(table: JobTable) -> None:
+    for seq in range(1, MAX_CANDIDATES + 5):
+        await add(table, f"j{seq}-cafe", seq)
+    with pytest.raises(AmbiguousJobError) as info:
+        await resolve(table, "j")
+    assert len(info.value.candidates) == MAX_CANDIDATES and info.value.message.endswith(", ...); give more of the id")
+
+
+async def test_dependencies_are_stored_as_full_ids_once(table: JobTable) -> None:
+    await add(table, "j1-aaaa", 1)
+    await add(table, "j2-bbbb", 2)
+    spec = await resolve_after(JobSpec(after=["j1", "j2-b", "j1-aaaa"]), table)
+    assert spec.after == ["j1-aaaa", "j2-bbbb"]
+    with pytest.raises(SpecError, match=r"after\[1\]: no job 'j7'"):
+        await resolve_after(JobSpec(after=["j1", "j7"]), table)
+    with pytest.raises(SpecError, match=r"after\[0\]: 'j' is the start of more than one job id"):
+        await resolve_after(JobSpec(after=["j"]), table)
