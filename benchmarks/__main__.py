@@ -4,7 +4,7 @@ Runs, in one process and on the same work, alternating the launchers in every re
 launch and end to end (the classic job), detection (a rank SIGKILLed), throughput (the mlp
 model) with the daemon's cost while supervising, the daemon at scale (simulated workers), and its
 start-up and memory with a long history of ended jobs, and ping latency while hostile jobs and
-clients run (``hostile``).
+clients run (``hostile``), and a two-node job against two torchruns (``multinode``, root only).
 Prints medians, min-max ranges and ratios, then the issue's targets, met or missed.
 
 Two daemons serve the ddpd runs: ``ddpd`` with a warm pool (``pool_size``, default 2) and
@@ -52,6 +52,7 @@ from .history import bench_history
 from .hostile import bench_hostile
 from .launch import bench_launch
 from .loop import bench_loop
+from .multinode import bench_multinode
 from .optimizer_hook import bench_optimizer_hook
 from .report import dump_json, print_report
 from .scale import bench_scale
@@ -66,6 +67,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "history": bench_history,
     "optimizer_hook": bench_optimizer_hook,
     "hostile": bench_hostile,
+    "multinode": bench_multinode,
 }
 
 
@@ -129,6 +131,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         await run_bench(ctx, "hostile")
     if "loop" in names:
         await run_bench(ctx, "loop")
+    if "multinode" in names:
+        await run_bench(ctx, "multinode")
 
 
 async def run_bench(ctx: Ctx, name: str) -> None:

@@ -318,12 +318,13 @@ def write_config(path: Path, values: dict[str, Any]) -> None:
 
 
 async def start_daemon(base: Path, name: str, *, config: dict[str, Any] | None = None,
-                       flags: Sequence[str] = ()) -> Daemon:
-    """A daemon in its own session (so Ctrl-C here does not reach it); ready when it answers a ping."""
+                       flags: Sequence[str] = (), prefix: Sequence[str] = ()) -> Daemon:
+    """A daemon in its own session (so Ctrl-C here does not reach it); ready when it answers a ping.
+    `prefix`: a command it runs under (``ip netns exec NS`` for a node of its own)."""
     root = base / name.replace(" ", "-").replace("(", "").replace(")", "")
     root.mkdir(parents=True)
     sock, state, log_path, cfg = root / "s", root / "state", root / "daemon.log", root / "ddpd.toml"
-    argv = [PYTHON, "-m", "ddpd.daemon", "serve", "--socket", str(sock), "--state-dir", str(state),
+    argv = [*prefix, PYTHON, "-m", "ddpd.daemon", "serve", "--socket", str(sock), "--state-dir", str(state),
             "--log-format", "json", "--allow-root-jobs", *flags]  # a private daemon: its runner's own jobs
     if config:
         write_config(cfg, config)

@@ -134,12 +134,13 @@ def daemon_argv(socket_path: Path, state_dir: Path, *extra: str) -> list[str]:
 
 async def start_daemon(
     tg: anyio.abc.TaskGroup, base: Path, *extra: str, env: dict[str, str] | None = None,
-    state_dir: Path | None = None,
+    state_dir: Path | None = None, prefix: tuple[str, ...] = (),
 ) -> DaemonProc:
+    """`prefix`: a command the daemon runs under (`ip netns exec NS` for a node of its own)."""
     sock = base / "ddpd.sock"
     state = state_dir or base / "state"
     proc = await anyio.open_process(
-        daemon_argv(sock, state, *extra), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        [*prefix, *daemon_argv(sock, state, *extra)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         env={**os.environ, **(env or {})}, cwd=str(REPO),
     )
     d = DaemonProc(socket=sock, state_dir=state, proc=proc, client=AsyncClient(sock))
@@ -182,11 +183,11 @@ def short_tmp() -> Any:
 
 @asynccontextmanager
 async def running_daemon(base: Path, *flags: str, state_dir: Path | None = None,
-                         env: dict[str, str] | None = None) -> AsyncIterator[DaemonProc]:
+                         env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> AsyncIterator[DaemonProc]:
     """A real daemon for the block; afterwards it is stopped (exit 0) and every process of every job
     is proven gone."""
     async with anyio.create_task_group() as tg:
-        d = await start_daemon(tg, base, *flags, state_dir=state_dir, env=env)
+        d = await start_daemon(tg, base, *flags, state_dir=state_dir, env=env, prefix=prefix)
         try:
             yield d
         finally:

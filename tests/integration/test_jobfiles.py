@@ -31,7 +31,8 @@ FLAGS = ["--task", "two-layer", "--nproc", "2", "--name", "every-key", "--backen
          "--gpus-per-rank", "0", "--steps", "3", "--seed", "7", "--join-timeout", "30", "--heartbeat-timeout", "20",
          "--progress-timeout", "25", "--wall-time", "600", "--kill-grace", "2", "--stop-warning", "5",
          "--max-restarts", "1", "--checkpoint-every", "2", "--priority", "1", "--mem", "512M", "--cpus", "1.5",
-         "--log-max", "131072", "--env", "A=1", "--env", "B=two",
+         "--log-max", "131072", "--nnodes", "1:2", "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-id", "every-key",
+         "--rdzv-backend", "c10d", "--rdzv-keep-alive", "5", "--rdzv-last-call", "1", "--env", "A=1", "--env", "B=two",
          "--workdir", str(REPO), "--python", sys.executable, "--export", "PATH,HOME", "--option", "lr=0.5",
          "--option", "tag=x"]
 FILE = f"""
@@ -55,6 +56,12 @@ priority = 1
 mem = "512M"
 cpus = 1.5
 log-max = 131072
+nnodes = "1:2"
+rdzv-endpoint = "192.0.2.1:29400"
+rdzv_id = "every-key"
+rdzv-backend = "c10d"
+rdzv-keep-alive = 5
+rdzv-last-call = 1
 workdir = "{REPO}"
 python = "{sys.executable}"
 export = "PATH,HOME"
@@ -81,8 +88,8 @@ def test_the_every_key_job_file_names_every_submit_option() -> None:
     """A submit option added later must be added to FLAGS and FILE above, or this fails."""
     keys = {*tomllib.loads(FILE.format(after='after = ["j1"]')), *tomllib.loads(MODULE_FILE.format(after=""))}
     covered = {key.replace("-", "_") for key in keys}
-    options = {param.opts[-1].lstrip("-").replace("-", "_") for param in submit.params
-               if isinstance(param, click.Option)} - {"file", "idempotency_key", "socket"}
+    options = {next(o for o in param.opts if o.startswith("--")).lstrip("-").replace("-", "_")
+               for param in submit.params if isinstance(param, click.Option)} - {"file", "idempotency_key", "socket"}
     assert options - covered == set()
     flags = {arg.lstrip("-").replace("-", "_") for arg in FLAGS if arg.startswith("--")} | {"after", "module"}
     assert options - flags - {"follow"} == set()

@@ -213,9 +213,23 @@ def state_text(view: JobView) -> Text:
 
 def job_detail(view: JobView, now: float) -> RenderableType:
     parts: list[RenderableType] = [_job_header(view, now)]
+    if view.nodes:
+        parts.append(nodes_table(view))
     if view.ranks:
         parts.append(ranks_table(view))
     return Group(*parts)
+
+
+def nodes_table(view: JobView) -> Table:
+    """A multi-node job's nodes: host, node rank, daemon, state and global ranks (this node marked *)."""
+    table = Table(title="nodes", title_justify="left")
+    for name in ("node", "host", "daemon", "state", "ranks", "detail"):
+        table.add_column(name, justify="right" if name == "node" else "left", overflow="fold")
+    for node in view.nodes:
+        ranks = f"{node.ranks[0]}-{node.ranks[-1]}" if len(node.ranks) > 1 else ",".join(map(str, node.ranks))
+        table.add_row(Text(f"{node.node_rank}{'*' if node.local else ''}"), Text(node.host), Text(node.daemon),
+                      _state(node.state), Text(ranks), Text(node.detail))
+    return table
 
 
 def jobs_table(views: Iterable[JobView], now: float) -> Table:

@@ -36,7 +36,8 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
-          "checkpoint_every", "priority", "cpus", "log_max")
+          "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id", "rdzv_backend",
+          "rdzv_keep_alive", "rdzv_last_call")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
 
@@ -81,7 +82,16 @@ _OPTIONS: list[Callable[[F], F]] = [
         help=f"Built-in task ({', '.join(sorted(BUILTIN_TASKS))}) or package.module:factory "
         "[default: two-layer, unless a script is given].",
     ),
-    click.option("--nproc", type=int, default=None, help="Number of ranks [default: 1]."),
+    click.option("--nproc", "--nproc-per-node", "nproc", type=int, default=None,
+                 help="Number of ranks (on this node) [default: 1]."),
+    click.option("--nnodes", default=None, metavar="N|MIN:MAX",
+                 help="Nodes of a multi-node job (torchrun's flag); one submit per node [default: 1]."),
+    click.option("--rdzv-endpoint", "rdzv_endpoint", default=None, metavar="HOST:PORT",
+                 help="The multi-node rendezvous; the daemon on HOST serves it on PORT."),
+    click.option("--rdzv-id", "rdzv_id", default=None, metavar="ID", help="The run id, the same on every node."),
+    click.option("--rdzv-backend", "rdzv_backend", type=click.Choice(["c10d"]), default=None),
+    _seconds("--rdzv-keep-alive", "Seconds a node may be silent before it counts as lost."),
+    _seconds("--rdzv-last-call", "Seconds the rendezvous waits for more nodes once MIN have joined."),
     click.option("--name", default=None, help="A name for the job."),
     click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default=None),
     click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None),

@@ -8,6 +8,11 @@ and the attempt sleeps on its `Clock` until then (or until a frame moves a deadl
 conclusion wins (the rest is collateral); `teardown` escalates against one deadline over the
 attempt's `gang`, shielded, and ends only when no process of the attempt is left.
 
+A multi-node attempt (`nodes`, the job's `NodeSession`) forms through torch's elastic rendezvous
+instead of binding its own store (unless it is node rank 0), starts this node's ranks at their
+global ranks (`layout`), runs the node watch beside its ranks (`multinode.watch_nodes`), and after
+the teardown settles the root cause with the other nodes (`multinode.settle`).
+
 Every rank's tasks are bound to ``job_id``, ``attempt`` and ``rank`` in structlog's contextvars.
 """
 
@@ -42,6 +47,8 @@ from .identity import Identity, UnknownUser
 from .joblimits import LimitsOutcome, apply_limits, wanted
 from .journal import Journal
 from .launch import Launcher
+from .multinode import settle, watch_nodes
+from .nodes import NodeLayout, NodeSession
 from .outcome import Outcome, bounded
 from .pool import WarmPool
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
@@ -64,8 +71,11 @@ def boot_ticks() -> int:
 
 class Attempt:
     def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
-                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None) -> None:
+                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None,
+                 nodes: NodeSession | None = None) -> None:
         self.config = config
+        self.nodes = nodes  # a multi-node job's session (its rendezvous across nodes); None: one node
+        self.layout: NodeLayout | None = None
         self.subtree = subtree  # the daemon's cgroup subtree: each attempt gets a cgroup of its own there
         self.pool = pool  # the daemon's warm pool, None when it keeps none
         self.journal = journal
@@ -154,21 +164,29 @@ class Attempt:
             return Outcome(JobState.FAILED, "spawn_failed", RootCause(reason="spawn_failed", attempt=self.number,
                                                                       detail=str(exc)))
         try:
-            rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
+            if self.nodes is not None:
+                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc)
+            else:
+                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
         except RendezvousError as exc:
             return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
         job.store_port = rdzv.port
-        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port)
+        lay = self.layout
+        nodes: dict[str, Any] = {} if lay is None else {"node_rank": lay.node_rank, "nnodes": lay.nnodes,
+                                                        "world_size": lay.world_size}
+        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port, **nodes)
         launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
                                              self.limits.join, self.clock, self.pool,
                                              defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {},
                                              identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
-                                             checkpoint_dir=self.checkpoint_dir)
+                                             checkpoint_dir=self.checkpoint_dir, layout=self.layout)
         try:
             async with anyio.create_task_group() as tg:
                 try:
                     await self._launch(tg, launcher)
                     tg.start_soon(self._timers)
+                    if self.nodes is not None:
+                        tg.start_soon(watch_nodes, self.nodes, self)
                     await self._concluded.wait()
                 finally:
                     with anyio.CancelScope(shield=True):
@@ -183,7 +201,11 @@ class Attempt:
                     h.logs.close()
             rdzv.close()
         assert self.outcome is not None
-        return self._finish_outcome(self.outcome)
+        outcome = self._finish_outcome(self.outcome)
+        if self.nodes is not None:
+            with anyio.CancelScope(shield=True):
+                outcome = await settle(self.nodes, outcome, self.number, self.clock)
+        return outcome
 
     def _finish_outcome(self, outcome: Outcome) -> Outcome:
         if outcome.state is JobState.FAILED and outcome.root_cause is None:
@@ -227,9 +249,11 @@ class Attempt:
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)
-        for r in range(job.spec.nproc):
+        offset = 0 if self.layout is None else self.layout.offset  # global ranks of a multi-node job
+        for local in range(job.spec.nproc):
             if self.outcome is not None:
                 return
+            r = offset + local
             log_path = self.dir / rank_log_name(r)
             try:
                 fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
@@ -239,7 +263,7 @@ class Attempt:
                         live_streams, self.config.state_dir, self.identity, job, self.number,
                         [str(log_path), stderr_log(str(log_path))], list(fds))
                     try:
-                        h = launcher.start(r, log_path, fds, self.gang.pgid)
+                        h = launcher.start(local, log_path, fds, self.gang.pgid)
                     except BaseException:
                         logs.close()
                         raise

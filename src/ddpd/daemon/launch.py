@@ -36,6 +36,7 @@ from .channel import WorkerChannel
 from .clock import Clock
 from .config import Config
 from .identity import Identity, job_environment
+from .nodes import NodeLayout
 from .pool import WarmPool, end_cgroup
 from .poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
 from .ranks import RankHandle
@@ -46,9 +47,10 @@ TAKE_OVER_WAIT = 5.0  # seconds for a pooled worker's own cgroup to empty once i
 
 
 def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rendezvous, marker: str,
-             error_file: Path, defaults: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The whole environment of one rank: `base`, defaults (the job's NCCL settings on GPUs),
-    ``spec.env``, then the reserved variables."""
+             error_file: Path, defaults: Mapping[str, str] | None = None,
+             layout: NodeLayout | None = None) -> dict[str, str]:
+    """The whole environment of local rank `rank`: `base`, defaults (the job's NCCL settings on GPUs),
+    ``spec.env``, then the reserved variables (across nodes as torchrun sets them, with `layout`)."""
     spec = job.spec
     n = spec.nproc
     env = dict(base)
@@ -66,22 +68,24 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
     else:  # the built-in loop: each rank sees only its own GPUs, as cuda:0..
         per = spec.gpus_per_rank
         devices = ",".join(str(g) for g in job.gpus[rank * per : (rank + 1) * per])
+    lay = layout or NodeLayout(node_rank=0, nnodes=1, offset=0, world_size=n, run_id=job.id,
+                               restart_count=number - 1)
     env.update({
-        "RANK": str(rank),
+        "RANK": str(lay.offset + rank),
         "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(n),
+        "WORLD_SIZE": str(lay.world_size),
         "LOCAL_WORLD_SIZE": str(n),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_RANK": str(rank),
+        "GROUP_RANK": str(lay.node_rank),
+        "GROUP_WORLD_SIZE": str(lay.nnodes),
+        "ROLE_RANK": str(lay.offset + rank),
         "ROLE_NAME": "default",
-        "ROLE_WORLD_SIZE": str(n),
+        "ROLE_WORLD_SIZE": str(lay.world_size),
         "MASTER_ADDR": rdzv.host,
         "MASTER_PORT": str(rdzv.port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": str(number - 1),
+        "TORCHELASTIC_RESTART_COUNT": str(lay.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": job.id,
+        "TORCHELASTIC_RUN_ID": lay.run_id,
         "TORCHELASTIC_ERROR_FILE": str(error_file),
         "DDPD_JOB_ID": job.id,
         MARKER_ENV: marker,
@@ -105,8 +109,11 @@ class Launcher:
     def __init__(self, config: Config, job: Job, number: int, marker: str, rdzv: Rendezvous, attempt_dir: Path,
                  join_timeout: float, clock: Clock, pool: WarmPool | None,
                  defaults: Mapping[str, str] | None = None, *, identity: Identity, run_as: Identity | None = None,
-                 place: Callable[[int], None] | None = None, job_dir: Path, checkpoint_dir: Path) -> None:
+                 place: Callable[[int], None] | None = None, job_dir: Path, checkpoint_dir: Path,
+                 layout: NodeLayout | None = None) -> None:
         self.defaults = dict(defaults or {})
+        self.layout = layout  # a multi-node attempt: this node's place in the world
+        self.offset = 0 if layout is None else layout.offset
         self.config, self.job, self.number, self.rdzv, self.clock = config, job, number, rdzv, clock
         self.marker = marker
         self.join_timeout = join_timeout
@@ -138,7 +145,8 @@ class Launcher:
     def env(self, rank: int) -> dict[str, str]:
         if rank not in self.envs:
             self.envs[rank] = rank_env(self.base, self.job, self.number, rank, self.rdzv, self.marker,
-                                       self.attempt_dir / f"rank-{rank}-error.json", self.defaults)
+                                       self.attempt_dir / f"rank-{self.offset + rank}-error.json", self.defaults,
+                                       self.layout)
         return self.envs[rank]
 
     def argv_prefix(self) -> tuple[str, ...]:
@@ -147,7 +155,7 @@ class Launcher:
         return self.config.worker_command or (sys.executable, "-m", "ddpd.worker")
 
     def start(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
-        """Rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
+        """Local rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
 
         `log_fds` become a cold rank's stdout and stderr (the caller closes them); a pooled rank
         appends to `log_path` and the stderr file beside it itself. `pgid` None: the rank leads the
@@ -193,26 +201,28 @@ class Launcher:
 
     def _handle(self, r: int, proc: subprocess.Popen[bytes], channel: WorkerChannel, log_path: Path, pgid: int,
                 pooled: bool) -> RankHandle:
-        rank = Rank(rank=r, attempt=self.number, pid=proc.pid, pgid=pgid, log=str(log_path),
+        rank = Rank(rank=self.offset + r, attempt=self.number, pid=proc.pid, pgid=pgid, log=str(log_path),
                     spawned_at=self.clock.monotonic())
         return RankHandle(rank=rank, proc=proc, channel=channel, pooled=pooled)
 
     def assignment(self, h: RankHandle, pgid: int) -> Assign:
         rank = h.rank
+        local = rank.rank - self.offset
+        world = self.job.spec.nproc if self.layout is None else self.layout.world_size
         spec = self.job.spec
         if spec.environ is not None:  # the rank runs in it already: no need to carry it again
             spec = msgspec.structs.replace(spec, environ=None)
         env: dict[str, str] = {}
         unset: list[str] = []
         if h.pooled:  # started before the job: it gets what its environment lacks, and the job's directory
-            started = self.pool_envs.get(rank.rank, {})
-            env = {k: v for k, v in self.env(rank.rank).items() if started.get(k) != v}
-            unset = sorted(k for k in started if k not in self.env(rank.rank))
+            started = self.pool_envs.get(local, {})
+            env = {k: v for k, v in self.env(local).items() if started.get(k) != v}
+            unset = sorted(k for k in started if k not in self.env(local))
             if not spec.workdir:
                 spec = msgspec.structs.replace(spec, workdir=self.cwd)
         return Assign(
-            job_id=self.job.id, attempt=self.number, rank=rank.rank, world_size=spec.nproc,
-            local_rank=rank.rank, local_world_size=spec.nproc, store_host=self.rdzv.host,
+            job_id=self.job.id, attempt=self.number, rank=rank.rank, world_size=world,
+            local_rank=local, local_world_size=spec.nproc, store_host=self.rdzv.host,
             store_port=self.rdzv.port, spec=spec, env=env, heartbeat_interval=self.config.heartbeat_interval,
             join_timeout=self.join_timeout,
             checkpoint_dir=str(self.checkpoint_dir),

@@ -14,6 +14,7 @@ import anyio
 
 from ..protocol import JobSpec, JobState, RankState
 from ..protocol.control import JobView, RankView, RootCause
+from ..protocol.nodes import NodeView
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Job:
     cancel_requested: str | None = None  # why, once asked
     gpus: list[int] = field(default_factory=list)
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
+    nodes: list[NodeView] = field(default_factory=list)  # a multi-node job's nodes, as this daemon knows them
     waiting_on: list[str] | None = None  # dependencies not yet ended, as last looked at (None: not yet)
     # each live rank log's last rotation, by path: set by the log keeper's thread just before the
     # live log is emptied (one dict item assignment), read by the daemon's log readers
@@ -103,6 +105,7 @@ class Job:
             root_cause=self.root_cause,
             ranks=[r.view(now) for r in self.ranks],
             store_port=self.store_port,
+            nodes=list(self.nodes),
             waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
             if self.state is JobState.QUEUED and self.spec.after else None,
         )

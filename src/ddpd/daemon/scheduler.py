@@ -20,8 +20,9 @@ import anyio.abc
 import anyio.to_thread
 import structlog
 
-from ..protocol import JobSpec, JobState
+from ..protocol import JobSpec, JobState, SpecError
 from ..protocol.control import RootCause
+from ..protocol.spec import is_multinode
 from ..protocol.worker import marker_entry
 from . import lifecycle
 from .admission import admit, check_key, check_limits, over_user_gpus
@@ -29,8 +30,10 @@ from .attempt import Attempt, Outcome
 from .cgroups import AttemptCgroup, Subtree
 from .config import Config
 from .dependencies import Broken, Ready, resolve_after, states_of, verdict
+from .elastic import NodeError, check_endpoint
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
+from .nodes import NodeSession
 from .pool import WarmPool
 from .procs import find_members, proc_environ_has, reap_children
 from .records import Job, job_dir
@@ -114,6 +117,10 @@ class Scheduler:
         if key is not None and (existing := await self.table.by_key(*key)) is not None:
             return existing, True
         spec = await resolve_after(await admit(spec, self.config, self.resources), self.table)
+        try:
+            await anyio.to_thread.run_sync(check_endpoint, spec, owner_uid)  # free, where this daemon serves it
+        except NodeError as exc:
+            raise SpecError("rdzv_endpoint", str(exc).removeprefix("rdzv_endpoint: ")) from None
         while key is not None and (pending := self._pending_keys.get(key)) is not None:
             await pending.wait()  # the same key is being saved: its outcome decides
         done = anyio.Event()
@@ -244,12 +251,26 @@ class Scheduler:
 
     async def _attempts(self, job: Job) -> None:
         timeouts = self.timeouts(job.spec)
+        multi = is_multinode(job.spec)
+        nodes = NodeSession(job.spec, self.config.port_range, float(timeouts["join"])) if multi else None
+        if nodes is not None:
+            job.nodes = nodes.nodes
+        try:
+            await self._attempt_loop(job, timeouts, nodes)
+        finally:
+            if nodes is not None:
+                with anyio.CancelScope(shield=True):
+                    final = job.state.final
+                    await nodes.close(job.state.value.lower() if final else "stopped", final=final)
+
+    async def _attempt_loop(self, job: Job, timeouts: dict[str, Any], nodes: NodeSession | None) -> None:
         while True:
             job.attempt += 1
             job.ranks = []
             job.root_cause = None
             await self.journal.job_state(job, JobState.STARTING, f"attempt {job.attempt}")
-            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool, subtree=self.subtree)
+            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool, subtree=self.subtree,
+                              nodes=nodes)
             self.attempts[job.id] = attempt
             if job.cancel_requested:
                 attempt.request_cancel(job.cancel_requested, force=False)
@@ -257,7 +278,8 @@ class Scheduler:
                 attempt.request_shutdown()
             outcome = await attempt.run()
             job.root_cause = outcome.root_cause
-            new = lifecycle.after_attempt(outcome.state, outcome.reason, attempt=job.attempt,
+            free = 0 if nodes is None else nodes.membership_changes  # re-forms for joining nodes: not restarts
+            new = lifecycle.after_attempt(outcome.state, outcome.reason, attempt=job.attempt - free,
                                           max_restarts=job.spec.max_restarts,
                                           cancel_requested=job.cancel_requested is not None,
                                           accepting=self.accepting)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .logquery import MAX_TAIL
+from .nodes import NodeView
 from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
 
 LIST_LIMIT = 500  # jobs in one page of `list` at most (a page also ends before the frame limit)
@@ -238,6 +239,7 @@ class JobView(msgspec.Struct, omit_defaults=False):
     root_cause: RootCause | None = None
     ranks: list[RankView] = msgspec.field(default_factory=list)
     store_port: int | None = None
+    nodes: list[NodeView] = msgspec.field(default_factory=list)  # a multi-node job's nodes (protocol.nodes)
     waiting_on: list[str] | None = None  # a queued job's dependencies (--after) that have not yet succeeded
     queue_position: int | None = None  # while QUEUED: 1 is the next to start, in the scheduler's order
 

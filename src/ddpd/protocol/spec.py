@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .nodes import check_run_id, parse_endpoint, parse_nnodes
 from .worker import is_reserved_env
 
 BUILTIN_TASKS = frozenset({"two-layer", "mlp"})
@@ -93,6 +94,14 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                             Annotated[str, msgspec.Meta(max_length=MAX_ENVIRON_VALUE)]],
                        msgspec.Meta(max_length=MAX_ENVIRON)] | None = None
     export: Annotated[str, msgspec.Meta(max_length=MAX_EXPORT)] = ""  # ALL, NONE or the names, for display
+    # multi-node (torchrun's flags): one job across the daemons of several nodes, formed by torch's
+    # elastic rendezvous at rdzv_endpoint; an empty endpoint is the single-node job
+    nnodes: Annotated[str, msgspec.Meta(max_length=32)] = "1"  # N or MIN:MAX
+    rdzv_endpoint: Annotated[str, msgspec.Meta(max_length=300)] = ""  # HOST:PORT
+    rdzv_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    rdzv_backend: Literal["c10d"] = "c10d"
+    rdzv_keep_alive: Annotated[float, msgspec.Meta(ge=1, le=3600)] | None = None  # a silent node is lost
+    rdzv_last_call: Annotated[float, msgspec.Meta(ge=0, le=3600)] | None = None  # wait after MIN nodes joined
     # jobs that must all have SUCCEEDED before this one starts (Slurm's afterok); the daemon stores
     # them as full ids, whatever prefix was submitted
     after: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
@@ -156,7 +165,33 @@ def check_spec(spec: JobSpec) -> JobSpec:
         raise SpecError("workdir", f"must be an absolute path, got {spec.workdir!r}")
     if spec.python is not None and not spec.python.startswith("/"):
         raise SpecError("python", f"must be an absolute path to an interpreter, got {spec.python!r}")
+    check_nodes(spec)
     return spec
+
+
+def check_nodes(spec: JobSpec) -> None:
+    """The multi-node fields: nnodes parses, and a multi-node job names its endpoint and run id."""
+    try:
+        _, hi = parse_nnodes(spec.nnodes)
+    except ValueError as exc:
+        raise SpecError("nnodes", str(exc)) from None
+    if not spec.rdzv_endpoint:
+        if hi > 1 or spec.rdzv_id:
+            raise SpecError("rdzv_endpoint", "a multi-node job needs the rendezvous endpoint HOST:PORT")
+        return
+    try:
+        parse_endpoint(spec.rdzv_endpoint)
+    except ValueError as exc:
+        raise SpecError("rdzv_endpoint", str(exc)) from None
+    try:
+        check_run_id(spec.rdzv_id)
+    except ValueError as exc:
+        raise SpecError("rdzv_id", str(exc)) from None
+
+
+def is_multinode(spec: JobSpec) -> bool:
+    """A job formed across nodes by the rendezvous at `rdzv_endpoint` (else the single-node path)."""
+    return bool(spec.rdzv_endpoint)
 
 
 def _check_texts(spec: JobSpec) -> None:

@@ -106,6 +106,8 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     model = task.model.to(device)
     optimizer = (task.optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
     start = load_checkpoint(assign.checkpoint_dir, model, optimizer, device)
+    if assign.world_size != assign.local_world_size:  # across nodes: the newest checkpoint of any node
+        start = newest_checkpoint(start, model, device if dist.get_backend() == "nccl" else torch.device("cpu"))
     saved = start
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = task.forward or default_forward
@@ -231,9 +233,28 @@ class StopVote:
         return bool(stop)
 
 
+def newest_checkpoint(start: int, model: Any, device: Any) -> int:
+    """The step every rank resumes from, across nodes: the newest checkpoint any rank loaded.
+
+    Each node's local rank 0 keeps checkpoints in its own daemon's directory, so a node that joined
+    later has none (or an older one). The lowest rank holding the newest sends its parameters to
+    all (the optimizer's state stays each node's own: none where a node had no checkpoint)."""
+    newest = torch.tensor([start], dtype=torch.int64, device=device)
+    dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+    step = int(newest.item())
+    holder = torch.tensor([dist.get_rank() if start == step else dist.get_world_size()], dtype=torch.int64,
+                          device=device)
+    dist.all_reduce(holder, op=dist.ReduceOp.MIN)
+    if step > 0:
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=int(holder.item()))
+    return step
+
+
 def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, step: int) -> int:
-    """Rank 0 writes the checkpoint (if the attempt has a checkpoint directory) and reports it."""
-    if assign.rank == 0 and assign.checkpoint_dir:
+    """Each node's local rank 0 writes the checkpoint (if the attempt has a checkpoint directory: its
+    daemon's, so every node can resume) and reports it; on one node that is rank 0."""
+    if assign.local_rank == 0 and assign.checkpoint_dir:
         path = save_checkpoint(assign.checkpoint_dir, model, optimizer, step)
         runtime.send(Checkpointed(step=step, path=path))
     return step
