@@ -34,8 +34,22 @@ def anyio_backend() -> str:
 
 
 def assert_gone(pid: int) -> None:
-    with pytest.raises(ProcessLookupError):
+    try:
         os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    raise AssertionError(f"process {pid} is still there: {describe(pid)}")
+
+
+def describe(pid: int) -> str:
+    """What /proc says of a process (its state, parent and command line), for a failure message."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError as exc:
+        return f"gone while looked at ({exc})"
+    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+    return f"state {state}, parent {ppid}, {cmdline.strip()!r}"
 
 
 def assert_group_gone(pgid: int) -> None:

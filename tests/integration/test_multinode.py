@@ -198,7 +198,8 @@ async def test_node_killed_survivor_resumes_then_late_node_joins(short_tmp: Path
                 tg.cancel_scope.cancel()
             torn = await a.wait_event(ja, lambda e: e.kind == "job.torn_down" and e.attempt == saved.attempt)
             assert torn.ts - killed_at <= KEEP_ALIVE + GRACE + 2.0, torn.ts - killed_at
-            assert_nothing_left([first_a])
+            await gone_within([r.pid for r in first_a.ranks if r.pid is not None], 10)
+            assert_nothing_left([first_a])  # and reaped: no zombie either (node a's daemon is their parent)
             await gone_within([r.pid for r in first_b.ranks if r.pid is not None], 10)
             restarting = await a.wait_event(ja, lambda e: e.kind == "job.state_changed"
                                             and e.data.get("to") == "RESTARTING")

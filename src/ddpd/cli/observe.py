@@ -1,0 +1,149 @@
+"""ddpctl's commands that look at a job: logs, events, stacks, watch, plot and metrics."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ddpd.client import MAX_TAIL, AsyncClient, LogStream, QueryError, parse_rank_set, parse_since
+
+from . import curves, render
+from .group import EXIT_FAILED, cli, client_for, exit_for, report_final, socket_of, socket_option, text_output_option
+from .output import LogWriter, error, note, print_json
+from .stacks import show_stacks
+from .watch import run_watch
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--rank", "rank_set", default=None, metavar="RANKS",
+              help="Only these ranks: 0, 0,2-3 [default: all, each line prefixed unless one rank].")
+@click.option("--attempt", type=int, default=None, help="This attempt [default: the daemon's choice].")
+@click.option("-f", "--follow", is_flag=True, help="Keep following until the job ends.")
+@click.option("--tail", type=click.IntRange(0, MAX_TAIL), default=None, metavar="N",
+              help="Only the last N lines of each rank (then follow, with -f).")
+@click.option("--since", default=None, metavar="WHEN",
+              help="Only lines received since WHEN: 30s, 10m, 2h, 1d ago, or an ISO-8601 time.")
+@click.option("--stream", type=click.Choice(["stdout", "stderr", "both"]), default="both", show_default=True,
+              help="Which output of the ranks (kept apart on disk; both: merged by the time received).")
+@click.option("-t", "--timestamps", is_flag=True, help="Prefix each line with the time the daemon received it (UTC).")
+@click.option("--no-prefix", is_flag=True, help="Do not prefix lines with their rank.")
+@text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text, stream, time}).")
+@socket_option
+def logs(job_id: str, rank_set: str | None, attempt: int | None, follow: bool, tail: int | None, since: str | None,
+         stream: LogStream, timestamps: bool, no_prefix: bool, output: str, socket_path: Path | None) -> None:
+    """Print the logs of JOB (stdout and stderr of its ranks, by the time the daemon received them)."""
+    try:
+        ranks = parse_rank_set(rank_set) if rank_set is not None else None
+    except QueryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--rank") from None
+    try:
+        start = parse_since(since, time.time()) if since is not None else None
+    except QueryError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from None
+    with client_for(socket_path).logs(job_id, attempt=attempt, follow=follow, ranks=ranks, stream=stream, tail=tail,
+                                   since=start) as chunks:
+        if output == "json":
+            for chunk in chunks:
+                print_json(chunk)
+            return
+        one = ranks is not None and len(ranks) == 1
+        writer = LogWriter(prefix=not one and not no_prefix, timestamps=timestamps)
+        try:
+            for chunk in chunks:
+                writer.write(chunk)
+        finally:
+            writer.finish()
+
+
+@cli.command()
+@click.argument("job_id", metavar="[JOB]", required=False)
+@click.option("-f", "--follow", is_flag=True, help="Keep following new events.")
+@click.option("--since", type=int, default=0, metavar="SEQ", help="Only events after this sequence number.")
+@text_output_option("text: one line per event; json: one JSON object per line.")
+@socket_option
+def events(job_id: str | None, follow: bool, since: int, output: str, socket_path: Path | None) -> None:
+    """Print the events of JOB (or of every job)."""
+    with client_for(socket_path).events(job_id, follow=follow, since=since) as stream:
+        for event in stream:
+            if output == "json":
+                print_json(event)
+            else:
+                sys.stdout.write(render.event_line(event) + "\n")
+                sys.stdout.flush()
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--rank", type=int, default=None, help="Only this rank [default: every rank].")
+@click.option("--native", is_flag=True, help="Native frames too (py-spy, where the daemon has it).")
+@text_output_option("text: each distinct stack once, with its ranks; json: the daemon's result.")
+@socket_option
+def stacks(job_id: str, rank: int | None, native: bool, output: str, socket_path: Path | None) -> None:
+    """Show where every thread of JOB's ranks is now; the job keeps running."""
+    show_stacks(client_for(socket_path), job_id, rank, native, output == "json")
+
+
+@cli.command()
+@click.argument("job_id", metavar="[JOB]", required=False)
+@text_output_option("text: a live view; json: one JSON snapshot per refresh (the job, or the list of jobs).")
+@socket_option
+def watch(job_id: str | None, output: str, socket_path: Path | None) -> None:
+    """A live view of JOB (or of all jobs): state, ranks, step, loss, heartbeat age.
+
+    It refreshes on every event of the daemon's event stream, and once a second for the
+    heartbeat ages. It runs until Ctrl-C (exit 0) or, with JOB, until JOB ends (exit 0 if it
+    succeeded, else 1).
+    """
+    view = run_watch(AsyncClient(socket_of(socket_path)), job_id, as_json=output == "json")
+    if view is not None:
+        if output != "json":
+            report_final(view)
+        exit_for(view)
+
+
+@cli.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--png", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="Write the plot to FILE as a PNG (needs matplotlib: the extra 'plot').")
+@click.option("--size", default="800x480", show_default=True, metavar="WxH", help="Size of the PNG in pixels.")
+@socket_option
+def plot(job_id: str, png: Path | None, size: str, socket_path: Path | None) -> None:
+    """Draw JOB's loss curve against the step: in the terminal, or (--png) as a picture."""
+    try:
+        pixels = curves.parse_size(size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--size") from None
+    curve = client_for(socket_path).curve(job_id)
+    if not curves.losses(curve):
+        error(f"job {job_id} has no loss recorded ({curve.state})")
+        sys.exit(EXIT_FAILED)
+    if png is None:
+        sys.stdout.write(curves.terminal_plot(curve, color=sys.stdout.isatty()) + "\n")
+        return
+    try:
+        curves.write_png(curve, png, pixels)
+    except curves.PlotUnavailable as exc:
+        error(str(exc))
+        sys.exit(EXIT_FAILED)
+    note(f"wrote {png}")
+
+
+@cli.command("metrics")
+@click.argument("job_id", metavar="JOB")
+@click.option("-o", "--output", type=click.Choice(["csv", "json"]), default="csv", show_default=True,
+              help="csv: a header and one row per point; json: the curve and its points as one object.")
+@socket_option
+def metrics(job_id: str, output: str, socket_path: Path | None) -> None:
+    """Export JOB's training curve: time, step, loss and steps per second, oldest first."""
+    curve = client_for(socket_path).curve(job_id)
+    if output == "json":
+        print_json({"job_id": curve.job_id, "state": curve.state, "steps": curve.steps, "stride": curve.stride,
+                    "backwards": curve.backwards, "nonfinite": curve.nonfinite, "points": curves.to_rows(curve)})
+    else:
+        sys.stdout.write(curves.to_csv(curve))
+
+
