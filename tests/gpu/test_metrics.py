@@ -12,23 +12,15 @@ from ddpd.daemon import gpus
 from ddpd.protocol import JobState
 
 from ..conftest import assert_nothing_left, running_daemon
+from ..integration.test_service import _http_get
 from .conftest import GpuWatch
 
 pytestmark = pytest.mark.anyio
 
 
 async def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with anyio.fail_after(30):
-        async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-            await stream.send(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-            chunks = []
-            try:
-                while True:
-                    chunks.append(await stream.receive())
-            except anyio.EndOfStream:
-                pass
-    head, _, body = b"".join(chunks).decode().partition("\r\n\r\n")
-    assert head.split()[1] == "200", head
+    status, body = await _http_get(port, "/metrics")
+    assert status == 200, body
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(body) for s in family.samples}
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from ddpd.client import CurvePoint, CurveResult
 
+from .render import duration_text
+
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 40
 LINE_COLOR = "#1f77b4"  # the loss curve in a PNG
@@ -54,17 +56,6 @@ def rate_and_eta(curve: CurveResult) -> tuple[float | None, float | None]:
     return rate, max(0, curve.steps - last.step) / rate
 
 
-def _duration(seconds: float) -> str:
-    whole = round(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    minutes, secs = divmod(whole, 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
 def progress_line(curve: CurveResult, final: bool) -> str:
     """`12.5 steps/s  ETA 1m20s  loss 0.0123 ▇▆▅▃▂▁` (what is known of it; "" when nothing is)."""
     parts = []
@@ -72,7 +63,7 @@ def progress_line(curve: CurveResult, final: bool) -> str:
     if rate is not None:
         parts.append(f"{rate:.3g} steps/s")
     if eta is not None and not final:
-        parts.append(f"ETA {_duration(eta)}")
+        parts.append(f"ETA {duration_text(eta, whole=True)}")
     points = losses(curve)
     if points:
         parts.append(f"loss {points[-1][1]:.4g} {sparkline([v for _, v in points])}")

@@ -33,12 +33,15 @@ STATE_STYLES = {
 }
 
 
-def _duration(seconds: float | None) -> str:
+def duration_text(seconds: float | None, *, whole: bool = False) -> str:
+    """12.3s, 4m05s, 3h07m, 2d04h (`whole`: seconds rounded, 12s)."""
     if seconds is None:
         return ""
     seconds = max(0.0, seconds)
+    if whole:
+        seconds = float(round(seconds))
     if seconds < 60:
-        return f"{seconds:.1f}s"
+        return f"{seconds:.0f}s" if whole else f"{seconds:.1f}s"
     minutes, secs = divmod(int(seconds), 60)
     if minutes < 60:
         return f"{minutes}m{secs:02d}s"
@@ -134,9 +137,9 @@ def _job_header(view: JobView, now: float) -> Table:
     grid.add_row("attempt", Text(str(view.attempt)))
     if view.started_at is not None:
         end = view.finished_at if view.finished_at is not None else now
-        grid.add_row("duration", Text(_duration(end - view.started_at)))
+        grid.add_row("duration", Text(duration_text(end - view.started_at)))
     else:
-        grid.add_row("queued for", Text(_duration(now - view.submitted_at)))
+        grid.add_row("queued for", Text(duration_text(now - view.submitted_at)))
     if view.spec.after:
         grid.add_row("after", Text(", ".join(view.spec.after)))
     if view.waiting_on:
@@ -247,7 +250,7 @@ def jobs_table(views: Iterable[JobView], now: float) -> Table:
         duration = ""
         if view.started_at is not None:
             end = view.finished_at if view.finished_at is not None else now
-            duration = _duration(end - view.started_at)
+            duration = duration_text(end - view.started_at)
         table.add_row(
             Text(view.id),
             Text(view.name),
@@ -255,7 +258,7 @@ def jobs_table(views: Iterable[JobView], now: float) -> Table:
             state_text(view),
             Text(str(view.spec.nproc)),
             Text(str(view.attempt)),
-            Text(_duration(now - view.submitted_at)),
+            Text(duration_text(now - view.submitted_at)),
             Text(duration),
             Text(_cause_short(view) if view.state in FINAL else ""),
         )
@@ -284,7 +287,7 @@ def daemon_grid(info: DaemonInfo) -> Table:
     rows = [
         ("version", f"{info.version} (protocol {info.protocol})"),
         ("pid", str(info.pid)),
-        ("uptime", _duration(info.uptime)),
+        ("uptime", duration_text(info.uptime)),
         ("socket", info.socket),
         ("state dir", info.state_dir),
         ("running", str(info.running)),

@@ -28,7 +28,7 @@ import anyio.lowlevel
 
 from ..protocol.nodes import parse_endpoint
 from ..protocol.spec import JobSpec
-from .rendezvous import RendezvousError
+from .rendezvous import RendezvousError, listen_on
 
 T = TypeVar("T")
 CLOSE_TIMEOUT = 10.0
@@ -83,14 +83,9 @@ def route_address(host: str, port: int) -> str:
 def serve_store(address: str, port: int, timeout: float) -> Any:
     import torch.distributed as dist
 
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address, port))
-        sock.listen(1024)
+        sock = listen_on(address, port)
     except OSError as exc:
-        sock.close()
         raise NodeError(f"rdzv_endpoint: cannot bind port {port} on {address}: {exc.strerror}") from None
     fd = sock.detach()
     try:

@@ -16,22 +16,30 @@ class RendezvousError(RuntimeError):
     pass
 
 
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (OSError, the socket closed, when it cannot be)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def bind_port(host: str, port_range: tuple[int, int] | None) -> socket.socket:
     """Bind and listen on the first free port of the range (or an ephemeral one).
 
     A taken port is skipped, never waited on; an exhausted range is a clear error.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     candidates = [0] if port_range is None else list(range(port_range[0], port_range[1] + 1))
     taken: list[int] = []
     for port in candidates:
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(1024)
+            sock = listen_on(host, port)
         except OSError as exc:
-            sock.close()
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 taken.append(port)
                 continue

@@ -9,10 +9,8 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,20 +25,19 @@ from ..protocol.worker import marker_entry
 from . import lifecycle
 from .admission import admit, check_key, check_limits, over_user_gpus
 from .attempt import Attempt, Outcome
-from .cgroups import AttemptCgroup, Subtree
+from .cgroups import Subtree
 from .config import Config
 from .dependencies import Broken, Ready, resolve_after, states_of, verdict
 from .elastic import NodeError, check_endpoint
 from .errors import ForbiddenError, NotRunnableError
 from .journal import Journal
+from .leftovers import kill_cgroup, kill_marked
 from .nodes import NodeSession
 from .pool import WarmPool
-from .procs import find_members, proc_environ_has, reap_children
 from .records import Job, job_dir
 from .resources import Resources
 from .retention import Retention
 from .table import JobTable
-from .teardown import UNKILLABLE_WAIT
 from .usertree import remove_job_dir
 
 log = structlog.get_logger("ddpd")
@@ -375,44 +372,13 @@ class Scheduler:
     async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
         killed: list[int] = []
         for path in await self.journal.attempt_cgroups(job.id, job.attempt):  # the cgroup first: it misses nothing
-            killed += await anyio.to_thread.run_sync(_kill_cgroup, path)
+            killed += await anyio.to_thread.run_sync(kill_cgroup, path)
         for token in await self.journal.attempt_tokens(job.id, job.attempt):
             marker = marker_entry(job.id, job.attempt, token)
-            killed += await anyio.to_thread.run_sync(_kill_marked, marker)
+            killed += await anyio.to_thread.run_sync(kill_marked, marker)
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
         return killed
-
-
-def _kill_cgroup(path: str) -> list[int]:
-    """Blocking: SIGKILL every process left in an attempt's cgroup (cgroup.kill), then remove it."""
-    cg = AttemptCgroup(Path(path))
-    try:
-        if not cg.path.exists():
-            return []
-        pids = cg.pids()
-        if cg.kill(UNKILLABLE_WAIT):
-            cg.remove()
-        else:
-            log.warning("cgroup.not_emptied", cgroup=path, pids=cg.pids())
-    except OSError as exc:
-        log.warning("cgroup.recovery_failed", cgroup=path, error=str(exc))
-        return []
-    reap_children(pids)
-    return pids
-
-
-def _kill_marked(marker: bytes) -> list[int]:
-    """SIGKILL every process carrying the attempt's marker, each checked against /proc just before."""
-    killed = []
-    for p in find_members(None, marker):
-        if proc_environ_has(p.pid, marker):
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-                killed.append(p.pid)
-            except ProcessLookupError:
-                pass
-    return killed
 
 
 def _rc(outcome: Outcome) -> str | None:
