@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddpd.daemon import gpus
+from ddpd.daemon.gpu import gpus
 
 from . import loop
 

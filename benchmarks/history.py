@@ -17,7 +17,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec
 
 from .common import DDPD, rss_mib, start_daemon, stop_daemon

@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import pytest
 
-from ddpd.daemon.scheduler import Scheduler
+from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.protocol import MAX_FRAME, JobState
 from ddpd.protocol.control import JobView
 

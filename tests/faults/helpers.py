@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 
-from ddpd.daemon.procs import wait_gone
+from ddpd.daemon.contain.procs import wait_gone
 from ddpd.protocol.control import EventView, JobView
 
 from ..conftest import DaemonProc, assert_gone

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ddpd.daemon.channel import WorkerChannel
+from ddpd.daemon.pool.channel import WorkerChannel
 from ddpd.protocol import MAX_FRAME, FrameError, JobState, encode
 from ddpd.protocol.channel import Heartbeat, Hello, PhaseChanged, Progress, WorkerMessage
 

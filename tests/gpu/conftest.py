@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon import gpus
+from ddpd.daemon.gpu import gpus
 from ddpd.protocol.control import JobView
 
 from ..conftest import DaemonProc, running_daemon

@@ -8,7 +8,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddpd.daemon import gpus
+from ddpd.daemon.gpu import gpus
 from ddpd.protocol import JobState
 
 from ..conftest import assert_nothing_left, running_daemon

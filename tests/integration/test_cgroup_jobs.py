@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.daemon.cgroups import probe
+from ddpd.daemon.contain.cgroups import probe
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon, start_daemon, stop_daemon
 from ..faults.helpers import await_gone, become_subreaper

@@ -23,7 +23,7 @@ import anyio
 import pytest
 
 from ddpd.client import AsyncClient, JobSpec, RemoteError
-from ddpd.daemon.identity import Identity
+from ddpd.daemon.contain.identity import Identity
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
 from ..scripts.userpython import USER_PYTHON, user_env, why_unusable

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.cgroups import AttemptCgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
-from ddpd.daemon.gate import spawn_gated
-from ddpd.daemon.identity import Identity, check_interpreter, popen_kwargs
-from ddpd.daemon.usertree import create_user_file, ensure_base, job_dir
+from ddpd.daemon.contain.cgroups import AttemptCgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
+from ddpd.daemon.contain.gate import spawn_gated
+from ddpd.daemon.contain.identity import Identity, check_interpreter, popen_kwargs
+from ddpd.daemon.contain.usertree import create_user_file, ensure_base, job_dir
 from tests.conftest import assert_gone
 
 from .users import public_dir, two_users

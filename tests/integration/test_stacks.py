@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from ddpd.client import ErrorCode, RemoteError
-from ddpd.daemon.stacks import NO_PY_SPY, PY_SPY_WAIT, STACKS_WAIT, find_py_spy
+from ddpd.daemon.attempt.stacks import NO_PY_SPY, PY_SPY_WAIT, STACKS_WAIT, find_py_spy
 from ddpd.protocol import JobState
 
 from ..conftest import JOB_TIMEOUT, REPO, DaemonProc, assert_nothing_left, running_daemon

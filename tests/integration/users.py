@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.identity import Identity
+from ddpd.daemon.contain.identity import Identity
 
 
 def _useradd(name: str) -> Identity:

@@ -9,13 +9,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.daemon.bus import EventBus
 from ddpd.daemon.config import Config
-from ddpd.daemon.errors import LimitError, StorageError
-from ddpd.daemon.journal import Journal
-from ddpd.daemon.resources import Resources
-from ddpd.daemon.scheduler import Scheduler
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.queue.resources import Resources
+from ddpd.daemon.queue.scheduler import Scheduler
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.errors import LimitError, StorageError
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState, SpecError
 from ddpd.protocol.spec import Timeouts
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.cgroups import cpu_max, parse_keyed, parse_mountinfo, parse_proc_cgroup
+from ddpd.daemon.contain.cgroups import cpu_max, parse_keyed, parse_mountinfo, parse_proc_cgroup
 
 MOUNTINFO = """\
 25 30 0:23 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw

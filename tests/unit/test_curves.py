@@ -12,12 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ddpd.daemon.bus import EventBus
-from ddpd.daemon.curves import CurveStore, curve_result
-from ddpd.daemon.downsample import MAX_POINTS, Curve, CurveState, JobFeed
-from ddpd.daemon.journal import Journal
-from ddpd.daemon.records import Job
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.curves import CurveStore, curve_result
+from ddpd.daemon.store.downsample import MAX_POINTS, Curve, CurveState, JobFeed
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.records import Job
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState
 from ddpd.protocol.control import EventView
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.daemon.bus import EventBus
-from ddpd.daemon.dependencies import Broken, Ready, Waiting, resolve_after, verdict
-from ddpd.daemon.jobids import MAX_CANDIDATES, AmbiguousJobError, UnknownJobError, resolve
-from ddpd.daemon.journal import Journal
-from ddpd.daemon.records import Job
-from ddpd.daemon.state import StateDB
-from ddpd.daemon.table import JobTable
+from ddpd.daemon.queue.dependencies import Broken, Ready, Waiting, resolve_after, verdict
+from ddpd.daemon.queue.jobids import MAX_CANDIDATES, AmbiguousJobError, UnknownJobError, resolve
+from ddpd.daemon.queue.table import JobTable
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.records import Job
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import ErrorCode, JobSpec, JobState, SpecError
 
 pytestmark = pytest.mark.anyio

@@ -8,10 +8,10 @@ import pytest
 
 from ddpd.cli.render import daemon_grid, gpu_line, rank_gpu_text, ranks_table, size_text
 from ddpd.client import DaemonInfo, GpuView, JobSpec, JobState, RankGpu
-from ddpd.daemon import gpus
-from ddpd.daemon.gpus import GpuInfo, GpuProcess
-from ddpd.daemon.gpuview import daemon_gpus, gpu_views, holders, rank_layout, rank_memory, with_rank_gpus
-from ddpd.daemon.records import Job, Rank
+from ddpd.daemon.gpu import gpus
+from ddpd.daemon.gpu.gpus import GpuInfo, GpuProcess
+from ddpd.daemon.gpu.gpuview import daemon_gpus, gpu_views, holders, rank_layout, rank_memory, with_rank_gpus
+from ddpd.daemon.store.records import Job, Rank
 
 GIB = 1 << 30
 
@@ -90,8 +90,8 @@ async def test_without_nvml_the_views_have_no_figures_and_say_why(monkeypatch: p
     def no_processes(index: int) -> list[GpuProcess]:
         raise gpus.NvmlUnavailable("nvidia-ml-py is not installed")
 
-    monkeypatch.setattr("ddpd.daemon.gpuview.nvml_discover", missing)
-    monkeypatch.setattr("ddpd.daemon.gpuview.processes", no_processes)
+    monkeypatch.setattr("ddpd.daemon.gpu.gpuview.nvml_discover", missing)
+    monkeypatch.setattr("ddpd.daemon.gpu.gpuview.processes", no_processes)
     j = job("j1", [0, 1], [10, 11])
     with anyio.fail_after(10):
         assert await daemon_gpus([j]) == ([], "nvidia-ml-py is not installed")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon import gpus
-from ddpd.daemon.gpus import GpuInfo, NvmlUnavailable
+from ddpd.daemon.gpu import gpus
+from ddpd.daemon.gpu.gpus import GpuInfo, NvmlUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ async def test_processes_async_reports_nvml_missing(monkeypatch: pytest.MonkeyPa
 
 _DISCOVER = """
 import json, sys
-from ddpd.daemon import gpus
+from ddpd.daemon.gpu import gpus
 try:
     import pynvml
     pynvml.nvmlInit()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.identity import (
+from ddpd.daemon.contain.identity import (
     RANK_UMASK,
     Identity,
     UnknownUser,

@@ -10,8 +10,8 @@ import pytest
 
 from ddpd.cli.specs import parse_size
 from ddpd.client import JobSpec, SpecError, build_spec
-from ddpd.daemon.cgroups import AttemptCgroup, Subtree
-from ddpd.daemon.joblimits import apply_limits, wanted
+from ddpd.daemon.contain.cgroups import AttemptCgroup, Subtree
+from ddpd.daemon.contain.joblimits import apply_limits, wanted
 
 
 def test_sizes_are_read_as_people_write_them() -> None:

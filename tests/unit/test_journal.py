@@ -14,11 +14,11 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from ddpd.daemon.bus import EventBus
-from ddpd.daemon.errors import StorageError
-from ddpd.daemon.journal import Journal
-from ddpd.daemon.records import Job, Rank
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.errors import StorageError
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.records import Job, Rank
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState, RankState
 
 pytestmark = pytest.mark.anyio

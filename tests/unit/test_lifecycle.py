@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpd.daemon import lifecycle
+from ddpd.daemon.queue import lifecycle
 from ddpd.protocol import JobState
 
 S = JobState

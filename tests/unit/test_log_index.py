@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.logindex import (
+from ddpd.daemon.ranklogs.logindex import (
     MAX_ENTRIES,
     RECORD,
     Index,
@@ -20,7 +20,7 @@ from ddpd.daemon.logindex import (
     tail_start,
     tick,
 )
-from ddpd.daemon.logseek import line_starts
+from ddpd.daemon.ranklogs.logseek import line_starts
 
 
 def index(*entries: tuple[int, float]) -> Index:

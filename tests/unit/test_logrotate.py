@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.logrotate import (
+from ddpd.daemon.ranklogs.logrotate import (
     LINE_SEARCH,
     Plan,
     RotationError,

@@ -15,17 +15,17 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from ddpd.daemon.bus import EventBus
 from ddpd.daemon.config import Config
-from ddpd.daemon.curves import CurveStore
-from ddpd.daemon.gpus import GpuInfo
-from ddpd.daemon.journal import Journal
-from ddpd.daemon.metrics import Metrics
-from ddpd.daemon.records import Job, Rank
-from ddpd.daemon.resources import Resources
-from ddpd.daemon.samplers import RankTarget, Usage, sample
-from ddpd.daemon.scheduler import Scheduler
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.control.metrics import Metrics
+from ddpd.daemon.control.samplers import RankTarget, Usage, sample
+from ddpd.daemon.gpu.gpus import GpuInfo
+from ddpd.daemon.queue.resources import Resources
+from ddpd.daemon.queue.scheduler import Scheduler
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.curves import CurveStore
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.records import Job, Rank
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState, RankState
 from ddpd.protocol.control import EventView
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import structlog
 
-from ddpd.daemon.bus import EventBus
-from ddpd.daemon.journal import Journal
 from ddpd.daemon.journald import RECORD_LIMIT, decode_record, encode_record
 from ddpd.daemon.logs import configure_logging, resolve_format
-from ddpd.daemon.records import Job, Rank
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.records import Job, Rank
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState, RankState
 
 pytestmark = pytest.mark.anyio

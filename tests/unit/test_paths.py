@@ -95,7 +95,7 @@ def test_the_runtime_dir_is_created_private(tmp_path: Path) -> None:
 def test_the_daemon_refuses_a_default_runtime_directory_someone_else_made(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon side: another user who created `$XDG_RUNTIME_DIR/ddpd` first does not get the socket."""
-    from ddpd.daemon.server import prepare_socket_path
+    from ddpd.daemon.control.server import prepare_socket_path
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     taken = tmp_path / "ddpd"

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ddpd.daemon.poolkeys import Demand, PoolKey, Shape, next_expiry, plan, start_env
+from ddpd.daemon.pool.poolkeys import Demand, PoolKey, Shape, next_expiry, plan, start_env
 
 POOL = {"PATH": "/usr/bin", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8", "HOME": "/root"}
 

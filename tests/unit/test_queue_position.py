@@ -7,8 +7,8 @@ from rich.console import Console
 
 from ddpd.cli.render import job_detail, state_text
 from ddpd.client import JobSpec, JobState
-from ddpd.daemon.records import Job
-from ddpd.daemon.replies import job_page, positioned, summary_view
+from ddpd.daemon.control.replies import job_page, positioned, summary_view
+from ddpd.daemon.store.records import Job
 
 
 def queued(seq: int) -> Job:

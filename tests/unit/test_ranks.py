@@ -6,12 +6,12 @@ import subprocess
 from pathlib import Path
 from typing import Any, cast
 
-from ddpd.daemon.launch import rank_env
-from ddpd.daemon.outcome import bounded
-from ddpd.daemon.procs import Exit
-from ddpd.daemon.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
-from ddpd.daemon.records import Job, Rank
-from ddpd.daemon.rendezvous import Rendezvous
+from ddpd.daemon.attempt.launch import rank_env
+from ddpd.daemon.attempt.outcome import bounded
+from ddpd.daemon.attempt.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
+from ddpd.daemon.attempt.rendezvous import Rendezvous
+from ddpd.daemon.contain.procs import Exit
+from ddpd.daemon.store.records import Job, Rank
 from ddpd.protocol import JobSpec, JobState
 from ddpd.protocol.channel import Result
 from ddpd.protocol.control import RootCause

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from ddpd.daemon.procs import reap_children
+from ddpd.daemon.contain.procs import reap_children
 
 
 def _exited(proc: subprocess.Popen[bytes]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpd.daemon.resources import Resources
+from ddpd.daemon.queue.resources import Resources
 from ddpd.protocol import JobSpec
 
 

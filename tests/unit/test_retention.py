@@ -9,14 +9,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.daemon.bus import EventBus
 from ddpd.daemon.config import Config
-from ddpd.daemon.errors import ForbiddenError, NotRunnableError
-from ddpd.daemon.journal import Journal
-from ddpd.daemon.records import job_dir
-from ddpd.daemon.resources import Resources
-from ddpd.daemon.scheduler import Scheduler
-from ddpd.daemon.state import StateDB
+from ddpd.daemon.queue.resources import Resources
+from ddpd.daemon.queue.scheduler import Scheduler
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.errors import ForbiddenError, NotRunnableError
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.records import job_dir
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState
 
 pytestmark = pytest.mark.anyio

@@ -9,11 +9,11 @@ import anyio
 import msgspec
 import pytest
 
-from ddpd.daemon.errors import LimitError, NotRunnableError, StorageError
-from ddpd.daemon.records import Job
-from ddpd.daemon.replies import PAGE_BUDGET, clip_event, fit_view, job_page
-from ddpd.daemon.requests import FrameReader, ReadTimeout
-from ddpd.daemon.server import RequestError, error_code
+from ddpd.daemon.control.replies import PAGE_BUDGET, clip_event, fit_view, job_page
+from ddpd.daemon.control.requests import FrameReader, ReadTimeout
+from ddpd.daemon.control.server import RequestError, error_code
+from ddpd.daemon.store.errors import LimitError, NotRunnableError, StorageError
+from ddpd.daemon.store.records import Job
 from ddpd.protocol import MAX_FRAME, FrameError, JobSpec, JobState, SpecError
 from ddpd.protocol.control import EventView, RootCause
 from ddpd.protocol.errors import ErrorCode

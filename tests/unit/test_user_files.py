@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.files import read_at
-from ddpd.daemon.identity import Identity
-from ddpd.daemon.usertree import (
+from ddpd.daemon.contain.files import read_at
+from ddpd.daemon.contain.identity import Identity
+from ddpd.daemon.contain.usertree import (
     UnsafePath,
     create_user_file,
     ensure_base,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.admission import admit, over_user_gpus
 from ddpd.daemon.config import Config
-from ddpd.daemon.records import Job
-from ddpd.daemon.resources import Resources
+from ddpd.daemon.queue.admission import admit, over_user_gpus
+from ddpd.daemon.queue.resources import Resources
+from ddpd.daemon.store.records import Job
 from ddpd.protocol import JobSpec, JobState, SpecError
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.identity import Identity
-from ddpd.daemon.usertree import UnsafePath, create_user_file, ensure_base, ensure_dirs, job_dir
+from ddpd.daemon.contain.identity import Identity
+from ddpd.daemon.contain.usertree import UnsafePath, create_user_file, ensure_base, ensure_dirs, job_dir
 
 OTHER_UID = 54321  # a uid with no files of its own; only used where this process is root
 

@@ -20,23 +20,23 @@ from anyio.abc import SocketListener, TaskStatus
 from .. import __version__
 from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
-from .bus import EventBus
-from .cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
 from .config import Config, ConfigError, load_config, parse_listen
-from .curves import CurveStore
-from .gpus import discover_async
-from .journal import Journal
+from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
+from .contain.procs import set_child_subreaper
+from .contain.usertree import ensure_base
+from .control.metrics import Metrics, MetricsServer
+from .control.server import ControlServer, prepare_socket_path, secure_socket
+from .gpu.gpus import discover_async
 from .logs import configure_logging, parse_level, set_level
-from .metrics import Metrics, MetricsServer
 from .notify import Notifier, listen_fds
-from .pool import WarmPool
-from .poolkeys import own_shape
-from .procs import set_child_subreaper
-from .resources import Resources
-from .scheduler import Scheduler
-from .server import ControlServer, prepare_socket_path, secure_socket
-from .state import StateDB
-from .usertree import ensure_base
+from .pool.pool import WarmPool
+from .pool.poolkeys import own_shape
+from .queue.resources import Resources
+from .queue.scheduler import Scheduler
+from .store.bus import EventBus
+from .store.curves import CurveStore
+from .store.journal import Journal
+from .store.state import StateDB
 
 log = structlog.get_logger("ddpd")
 

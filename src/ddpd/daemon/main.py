@@ -9,7 +9,7 @@ import click
 
 from ..protocol.paths import UnsafeSocketDir, client_socket_path
 from .config import ConfigError, load_config
-from .errors import StorageError
+from .store.errors import StorageError
 
 EX_CONFIG = 78  # sysexits.h: configuration error; the unit does not restart on it
 

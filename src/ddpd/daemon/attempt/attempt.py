@@ -1,0 +1,400 @@
+"""One attempt of one job: rendezvous, launch, watch every rank, decide, tear down.
+
+The attempt's story, told by the modules it composes: `rendezvous` binds the store's port before
+any rank starts; the attempt row and its marker are saved (journal) before the first rank is
+spawned; `launch` starts each rank (cold or from the warm pool) with an environment built once;
+`ranks` turns each rank's frames and exit into its state; `deadlines` says when a timeout is due
+and the attempt sleeps on its `Clock` until then (or until a frame moves a deadline); the first
+conclusion wins (the rest is collateral); `teardown` escalates against one deadline over the
+attempt's `gang`, shielded, and ends only when no process of the attempt is left.
+
+A multi-node attempt (`nodes`, the job's `NodeSession`) forms through torch's elastic rendezvous
+instead of binding its own store (unless it is node rank 0), starts this node's ranks at their
+global ranks (`layout`), runs the node watch beside its ranks (`multinode.watch_nodes`), and after
+the teardown settles the root cause with the other nodes (`multinode.settle`).
+
+Every rank's tasks are bound to ``job_id``, ``attempt`` and ``rank`` in structlog's contextvars.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import signal
+import time
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from ...protocol import FrameError, JobState, RankState
+from ...protocol.channel import Hello, Stop
+from ...protocol.control import RootCause, StacksResult
+from ...protocol.limits import clip_text
+from ...protocol.worker import attempt_marker, marker_entry
+from ..config import Config
+from ..contain import procs
+from ..contain.cgroups import AttemptCgroup, Subtree
+from ..contain.identity import Identity, UnknownUser
+from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
+from ..contain.usertree import open_user_file
+from ..gpu.gpus import nccl_env
+from ..multinode.multinode import settle, watch_nodes
+from ..multinode.nodes import NodeLayout, NodeSession
+from ..pool.pool import WarmPool
+from ..ranklogs.workspace import create_logs, keep_logs, live_streams, prepare_dirs
+from ..store.journal import Journal
+from ..store.records import Job, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
+from .clock import Clock, RealClock, wait_until
+from .deadlines import Limits, Watch, check
+from .gang import RankGang
+from .launch import Launcher
+from .outcome import Outcome, bounded
+from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
+from .rendezvous import RendezvousError, open_rendezvous
+from .rootcause import Evidence, explain_hang, pick_root_cause
+from .stacks import collect, find_py_spy
+from .teardown import escalate
+
+log = structlog.get_logger("ddpd")
+
+__all__ = ["Attempt", "Outcome"]
+
+
+def boot_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+class Attempt:
+    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
+                 pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None,
+                 nodes: NodeSession | None = None) -> None:
+        self.config = config
+        self.nodes = nodes  # a multi-node job's session (its rendezvous across nodes); None: one node
+        self.layout: NodeLayout | None = None
+        self.subtree = subtree  # the daemon's cgroup subtree: each attempt gets a cgroup of its own there
+        self.pool = pool  # the daemon's warm pool, None when it keeps none
+        self.journal = journal
+        self.job = job
+        self.number = number
+        self.timeouts = timeouts
+        self.clock: Clock = clock or RealClock()
+        self.frame_rate = float(config.rank_frames_per_second)
+        self.token = secrets.token_hex(8)
+        self.marker = attempt_marker(job.id, number, self.token)
+        self.outcome: Outcome | None = None
+        self.gang = RankGang(job, journal, self.clock, marker_entry(job.id, number, self.token), boot_ticks(),
+                             opener=functools.partial(open_user_file, config.state_dir, job.owner_uid))
+        self._concluded = anyio.Event()
+        self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
+        self._warned = False  # the ranks were asked to stop before the wall-time limit
+        self._started = self.clock.monotonic()
+        self._started_wall = self.clock.time()
+        self._launcher: Launcher | None = None
+        self.limits = Limits(join=float(timeouts["join"]), heartbeat=float(timeouts["heartbeat"]),
+                             progress=float(timeouts["progress"]), heartbeat_interval=config.heartbeat_interval,
+                             wall=None if timeouts.get("wall") is None else float(timeouts["wall"]),
+                             stop_warning=float(timeouts["stop_warning"]))
+        # the owner's tree (usertree): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
+        self.job_dir = user_job_dir(config.state_dir, job.owner_uid, job.id)
+        self.dir = user_attempt_dir(config.state_dir, job.owner_uid, job.id, number)
+        self.checkpoint_dir = self.job_dir / "checkpoints"
+        self.identity: Identity | None = None
+        self.log = log.bind(job_id=job.id, attempt=number)
+
+    @property
+    def handles(self) -> list[RankHandle]:
+        return self.gang.handles
+
+    @property
+    def pgid(self) -> int | None:
+        return self.gang.pgid
+
+    # -- decisions (the RankContext of the ranks' tasks) ------------------------------------
+
+    def conclude(self, outcome: Outcome) -> None:
+        """The first conclusion wins; later ones (collateral) are ignored."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self._concluded.set()
+
+    def replan(self) -> None:
+        self._replan.set()
+
+    def signals_sent(self) -> frozenset[str]:
+        return frozenset(self.gang.signals_sent)
+
+    def exit_outcome(self) -> Outcome | None:
+        return finished_outcome(self.handles, self.job.spec.nproc, self.job.spec.script is not None, self.number,
+                                cancel_requested=self.job.cancel_requested, warned=self._warned,
+                                stop_warning_lead=self.limits.stop_warning_lead, wall=self.limits.wall)
+
+    def request_cancel(self, reason: str, force: bool) -> None:
+        self.conclude(Outcome(JobState.CANCELLED, reason, graceful=not force))
+        if force:
+            self.gang.signal_now(signal.SIGKILL)
+
+    def request_shutdown(self) -> None:
+        """The daemon is stopping: stop at a step boundary (checkpoint) and go back to the queue."""
+        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+
+    def force(self) -> None:
+        """A second stop signal: no more grace."""
+        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown"))
+        self.gang.signal_now(signal.SIGKILL)
+
+    # -- the attempt -----------------------------------------------------------------------
+
+    def run_as(self) -> Identity | None:
+        """The user the ranks switch to: the submitter, when this daemon is root and they are not."""
+        euid = os.geteuid()
+        if self.identity is None or euid != 0 or self.identity.uid == euid:
+            return None
+        return self.identity
+
+    async def run(self) -> Outcome:
+        job = self.job
+        try:
+            self.identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
+        except UnknownUser as exc:
+            return Outcome(JobState.FAILED, "spawn_failed", RootCause(reason="spawn_failed", attempt=self.number,
+                                                                      detail=str(exc)))
+        try:
+            if self.nodes is not None:
+                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc)
+            else:
+                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
+        except RendezvousError as exc:
+            return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
+        job.store_port = rdzv.port
+        lay = self.layout
+        nodes: dict[str, Any] = {} if lay is None else {"node_rank": lay.node_rank, "nnodes": lay.nnodes,
+                                                        "world_size": lay.world_size}
+        await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port, **nodes)
+        launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
+                                             self.limits.join, self.clock, self.pool,
+                                             defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {},
+                                             identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
+                                             checkpoint_dir=self.checkpoint_dir, layout=self.layout)
+        try:
+            async with anyio.create_task_group() as tg:
+                try:
+                    await self._launch(tg, launcher)
+                    tg.start_soon(self._timers)
+                    if self.nodes is not None:
+                        tg.start_soon(watch_nodes, self.nodes, self)
+                    await self._concluded.wait()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        if self.outcome is None:  # cancelled from outside: the daemon is stopping
+                            self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+                        await self._teardown()
+                        tg.cancel_scope.cancel()
+        finally:
+            for h in self.handles:
+                h.channel.close()
+                if h.logs is not None:
+                    h.logs.close()
+            rdzv.close()
+        assert self.outcome is not None
+        outcome = self._finish_outcome(self.outcome)
+        if self.nodes is not None:
+            with anyio.CancelScope(shield=True):
+                outcome = await settle(self.nodes, outcome, self.number, self.clock)
+        return outcome
+
+    def _finish_outcome(self, outcome: Outcome) -> Outcome:
+        if outcome.state is JobState.FAILED and outcome.root_cause is None:
+            outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
+        if outcome.hang and outcome.root_cause is not None:
+            outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites,
+                                              {h.rank.rank: h.rank.step for h in self.handles})
+        if outcome.root_cause is not None:
+            outcome.root_cause = bounded(outcome.root_cause)
+        return outcome
+
+    def _evidence(self) -> list[Evidence]:
+        return [
+            Evidence(rank=h.rank.rank, state=h.state_at_failure or h.rank.state.value, exit=h.exit,
+                     failure=h.failure, failed_at=h.failed_at, signals_sent_before_exit=h.signals_before_exit)
+            for h in self.handles
+        ]
+
+    # -- launching -------------------------------------------------------------------------
+
+    async def _launch(self, tg: anyio.abc.TaskGroup, launcher: Launcher) -> None:
+        job = self.job
+        assert self.identity is not None
+        try:
+            await anyio.to_thread.run_sync(prepare_dirs, self.config.state_dir, self.identity, job.id, self.number)
+        except OSError as exc:
+            self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+                reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
+            return
+        cgroup = await self._create_cgroup()
+        if wanted(job.spec):  # --mem / --cpus: applied where the controller is delegated, else said why not
+            try:
+                limits = await anyio.to_thread.run_sync(apply_limits, job.spec, self.gang.cgroup, self.subtree)
+            except (OSError, ValueError) as exc:
+                limits = LimitsOutcome(unavailable={c: f"cannot write the limit: {exc}" for c in wanted(job.spec)})
+            await self.journal.event(job, "job.limits", applied=limits.applied, unavailable=limits.unavailable)
+        if self.gang.cgroup is not None:
+            launcher.place = self.gang.cgroup.add
+            launcher.cgroup = self.gang.cgroup
+        launcher.use_pool()
+        # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
+        await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
+                                        token=self.token, cgroup=cgroup)
+        offset = 0 if self.layout is None else self.layout.offset  # global ranks of a multi-node job
+        for local in range(job.spec.nproc):
+            if self.outcome is not None:
+                return
+            r = offset + local
+            log_path = self.dir / rank_log_name(r)
+            try:
+                fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
+                                                     self.number, r)
+                try:
+                    logs = await anyio.to_thread.run_sync(
+                        live_streams, self.config.state_dir, self.identity, job, self.number,
+                        [str(log_path), stderr_log(str(log_path))], list(fds))
+                    try:
+                        h = launcher.start(local, log_path, fds, self.gang.pgid)
+                    except BaseException:
+                        logs.close()
+                        raise
+                    h.logs = logs
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            except OSError as exc:
+                self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+                    reason="spawn_failed", rank=r, attempt=self.number,
+                    detail=clip_text(f"cannot start rank {r}: {exc}"))))
+                return
+            first = self.gang.pgid is None
+            if first:
+                self.gang.pgid = h.rank.pgid
+            job.ranks.append(h.rank)
+            self.handles.append(h)
+            await self.journal.save_rank(job, h.rank)
+            await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=self.gang.pgid,
+                                     log=str(log_path), **({"pooled": True} if h.pooled else {}))
+            tg.start_soon(self._rank_tasks, h)
+            if first:
+                await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=launcher.rdzv.port,
+                                                token=self.token, cgroup=cgroup)
+
+    async def _create_cgroup(self) -> str | None:
+        """The attempt's cgroup under the daemon's subtree (its path), or None: without one, the ranks
+        are contained by their process group and marker alone (logged as `cgroup.attempt_failed`)."""
+        if self.subtree is None:
+            return None
+        try:
+            cg = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                                                f"{self.job.id}-a{self.number}")
+        except OSError as exc:
+            self.log.warning("cgroup.attempt_failed", error=str(exc))
+            return None
+        self.gang.cgroup = cg
+        return str(cg.path)
+
+    async def _rank_tasks(self, h: RankHandle) -> None:
+        """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""
+        with bound_contextvars(job_id=self.job.id, attempt=self.number, rank=h.rank.rank):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_exit, h, self)
+                log_max = min(self.job.spec.log_max or self.config.rank_log_max, self.config.rank_log_max)
+                tg.start_soon(keep_logs, h, log_max, self.journal, self.job)
+                if h.hello is not None:  # a pooled rank said hello to the pool
+                    await self.connected(h, h.hello)
+                await read_frames(h, self)
+
+    async def connected(self, h: RankHandle, hello: Hello) -> None:
+        """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.
+
+        A pooled rank leads its own process group: as the attempt's first rank it becomes the
+        attempt's group (Assign.pgid = its pid, a no-op), else it joins the leader's with setpgid on
+        Assign, checked against /proc when it reports store_connected. Until then group signals may
+        miss it, so the gang signals pooled ranks by pid too.
+        """
+        await self.journal.rank_state(self.job, h.rank, RankState.CONNECTED, "rank.connected",
+                                      worker_pid=hello.pid, protocol=hello.version, torch=hello.torch,
+                                      pooled=h.pooled)
+        assert self._launcher is not None
+        await h.channel.send(self._launcher.assignment(h, self.gang.pgid or 0))
+
+    async def check_pgid(self, h: RankHandle) -> None:
+        """A pooled rank moved itself into the attempt's group: verify it (the daemon cannot, after exec)."""
+        info = await anyio.to_thread.run_sync(procs.proc_info, h.proc.pid)
+        if info is not None and h.proc.returncode is None and info.pgid != self.gang.pgid:
+            raise FrameError("pgid_mismatch", f"rank {h.rank.rank} (pid {h.proc.pid}) is in process group "
+                                              f"{info.pgid}, not the attempt's {self.gang.pgid}")
+
+    # -- deadlines -------------------------------------------------------------------------
+
+    def _watch(self) -> Watch:
+        wall_at = None
+        if self.limits.wall is not None and self.job.started_at is not None:  # counted from the first start
+            wall_at = self._started + self.limits.wall - (self._started_wall - self.job.started_at)
+        return Watch(number=self.number, started=self._started, nproc=self.job.spec.nproc,
+                     script=self.job.spec.script is not None, wall_at=wall_at, warned=self._warned)
+
+    async def _timers(self) -> None:
+        while self.outcome is None:
+            self._replan = anyio.Event()
+            now = self.clock.monotonic()
+            watch = self._watch()
+            verdict = check(self.limits, watch, [h.clock_view() for h in self.handles], now)
+            if verdict.outcome is not None:
+                self.conclude(verdict.outcome)
+                return
+            for h in self.handles:
+                if h.rank.rank in verdict.missed:
+                    h.missed_reported = h.rank.last_frame
+                    await self.journal.event(self.job, "rank.heartbeat_missed", rank=h.rank.rank,
+                                             silent=round(now - (h.rank.last_frame or now), 3),
+                                             interval=self.config.heartbeat_interval,
+                                             timeout=self.limits.heartbeat, state=h.rank.state.value)
+            if verdict.warn:
+                await self._warn_stop(now, watch.wall_at or now)
+                continue
+            # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it later),
+            # or until a frame starts a new deadline that may come sooner (bug: a 4 s progress timeout
+            # used to wait for the 120 s join deadline the timer had gone to sleep on)
+            wake = max(now + 0.01, verdict.next_at if verdict.next_at is not None else now + 1.0)
+            await wait_until(self.clock, wake, self._replan.wait)
+
+    async def _warn_stop(self, now: float, wall_at: float) -> None:
+        """Before the wall-time limit (as Slurm's --signal): every rank is asked to stop at a step
+        boundary and checkpoint. Ranks that then exit 0 end the job TIMED_OUT (wall_time) at once;
+        ranks that do not stop are torn down when the wall time runs out."""
+        self._warned = True
+        for h in self.gang.live():
+            await h.channel.send(Stop(reason="wall_time_warning"))
+        await self.journal.event(self.job, "job.stop_warning", reason="wall_time_warning",
+                                 seconds_left=round(wall_at - now, 3), wall=self.limits.wall)
+
+    # -- on demand -----------------------------------------------------------------------
+
+    async def stacks(self, rank: int | None, native: bool) -> StacksResult:
+        """The current stacks of this attempt's ranks (or of `rank`), asked on their channels; the job
+        runs on."""
+        py_spy = await anyio.to_thread.run_sync(find_py_spy)
+        return await collect(self.job.id, self.number, self.handles, rank=rank, native=native, py_spy=py_spy)
+
+    # -- teardown --------------------------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        assert self.outcome is not None
+        outcome = self.outcome
+        self.gang.reason = outcome.reason
+        t0 = self.clock.monotonic()
+        await escalate(self.gang, self.clock, float(self.timeouts["kill_grace"]),
+                       graceful=outcome.graceful, hang=outcome.hang)
+        await self.journal.event(self.job, "job.torn_down", seconds=round(self.clock.monotonic() - t0, 3),
+                                 reason=outcome.reason)

@@ -1,0 +1,289 @@
+"""One rank of an attempt: its handle, and its frames and exit turned into its state.
+
+`read_frames` decodes the rank's channel and applies each frame (phase changes, heartbeats and
+progress, checkpoints, the result or failure) through the `RankContext` the attempt provides.
+Everything a rank sends is bounded: a frame budget (`FrameBudget`, a token bucket of
+``rank_frames_per_second`` with a one-second burst) for all frames, a smaller one for the frames
+that are written to the journal (checkpoints, failures), and at most MAX_FAILURES failures. A rank
+over a budget is failed with a protocol error naming it. The reader yields to the event loop every
+YIELD_EVERY frames, so a flooding rank cannot starve the daemon.
+
+A script that calls ``init_process_group`` again (destroy and re-init) sends its join phases
+again: a re-join (`is_rejoin`), recorded as an event ``rank.rejoined`` with its count, while the
+rank keeps its state.
+
+A Stacks frame answers an `AskStacks` the daemon sent (`RankHandle.asked`); an unasked or late
+one is dropped.
+
+`watch_exit` waits on the rank's pidfd. A rank succeeded when it exited 0 and (task mode) sent its
+Result; a script rank needs only the clean exit (`rank_succeeded`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+import anyio.lowlevel
+
+from ...protocol import FrameError, JobState, RankState, TransitionError
+from ...protocol.channel import Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result, Stacks
+from ...protocol.control import RootCause
+from ...protocol.limits import clip_text
+from ...protocol.states import is_rejoin
+from ..contain import procs
+from ..pool.channel import WorkerChannel
+from ..ranklogs.logindex import RankLogs
+from ..store.journal import Journal
+from ..store.records import Job, Rank
+from .clock import Clock
+from .deadlines import RankClock
+from .outcome import Outcome
+
+MAX_STEP = 2**63 - 1  # a step counter SQLite can store
+YIELD_EVERY = 64  # frames read between two checkpoints of the event loop
+JOURNALED_RATE = 100.0  # checkpoints and failures per second (each is a journal write)
+JOURNALED_BURST = 1000.0
+MAX_FAILURES = 4  # a rank reports one failure, then exits
+RESULT_WAIT = 1.0  # after the exit: how long the frames it sent just before (its result) may take to be read
+# ... and after a clean exit with no result read yet: the reader may be behind on journal writes that
+# retry while the database is locked (each try waits the busy timeout), so wait out the journal's worst case
+CLEAN_EXIT_RESULT_WAIT = 30.0
+
+
+class FrameBudget:
+    """A token bucket: `rate` frames a second on average, `burst` at once."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.last = self.since = now
+        self.count = 0
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        self.count += 1
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+@dataclass(eq=False)
+class StacksAsked:
+    """An AskStacks sent to a rank, until its Stacks frame answers it."""
+
+    answered: anyio.Event = field(default_factory=anyio.Event)
+    reply: Stacks | None = None
+
+
+@dataclass(eq=False)
+class RankHandle:
+    """A started rank, cold or adopted from the warm pool: the same handle either way."""
+
+    rank: Rank
+    proc: subprocess.Popen[bytes]
+    channel: WorkerChannel
+    pooled: bool = False  # a warm-pool worker: joins the group itself (Assign.pgid), verified from /proc
+    hello: Hello | None = None  # a pooled rank's Hello, said to the pool before it was taken
+    exited: anyio.Event = field(default_factory=anyio.Event)
+    reader_done: anyio.Event = field(default_factory=anyio.Event)
+    exit: procs.Exit | None = None
+    result: Result | None = None
+    failure: Failure | None = None
+    failures: int = 0
+    rejoins: int = 0  # init_process_group calls after the first (a script that destroys and re-inits)
+    failed_at: float | None = None
+    state_at_failure: str | None = None
+    signals_before_exit: frozenset[str] = frozenset()
+    last_progress_event: float = 0.0
+    missed_reported: float | None = None
+    asked: dict[int, StacksAsked] = field(default_factory=dict)  # AskStacks requests awaiting their answer
+    logs: RankLogs | None = None  # the daemon's side of its stdout and stderr logs
+
+    def fail(self, now: float) -> None:
+        """Record the first sign of failure (its time ranks root causes)."""
+        if self.failed_at is None:
+            self.failed_at = now
+            self.state_at_failure = self.rank.state.value
+
+    def clock_view(self) -> RankClock:
+        r = self.rank
+        return RankClock(rank=r.rank, state=r.state, last_frame=r.last_frame, last_step_change=r.last_step_change,
+                         step=r.step, exited=self.exit is not None, missed_reported=self.missed_reported)
+
+
+class RankContext(Protocol):
+    """What a rank's tasks need from their attempt."""
+
+    job: Job
+    journal: Journal
+    number: int
+    clock: Clock
+    frame_rate: float
+
+    def conclude(self, outcome: Outcome) -> None: ...
+    def replan(self) -> None: ...
+    def signals_sent(self) -> frozenset[str]: ...
+    async def connected(self, h: RankHandle, hello: Hello) -> None: ...
+    async def check_pgid(self, h: RankHandle) -> None: ...
+    def exit_outcome(self) -> Outcome | None: ...
+
+
+def rank_succeeded(exit_: procs.Exit | None, result: Result | None, script: bool) -> bool:
+    """The daemon's own evidence: a clean exit, and (task mode) the rank's Result frame."""
+    return exit_ is not None and exit_.ok and (script or result is not None)
+
+
+async def read_frames(h: RankHandle, ctx: RankContext) -> None:
+    rank, job, clock = h.rank, ctx.job, ctx.clock
+    budget = FrameBudget(ctx.frame_rate, ctx.frame_rate, clock.monotonic())
+    journaled = FrameBudget(JOURNALED_RATE, JOURNALED_BURST, clock.monotonic())
+    try:
+        async for msg in h.channel.frames():
+            now = clock.monotonic()
+            rank.last_frame = now
+            if budget.count % YIELD_EVERY == YIELD_EVERY - 1:
+                await anyio.lowlevel.checkpoint()
+            if not budget.take(now):
+                raise FrameError("flood", f"rank {rank.rank} flooded its channel: {budget.count} frames in "
+                                          f"{now - budget.since:.1f} s (limit {ctx.frame_rate:.0f}/s)")
+            if isinstance(msg, Checkpointed | Failure) and not journaled.take(now):
+                raise FrameError("flood", f"rank {rank.rank} sent {journaled.count} checkpoint/failure frames in "
+                                          f"{now - journaled.since:.1f} s")
+            if not 0 <= getattr(msg, "step", getattr(msg, "steps", 0)) <= MAX_STEP:
+                # msgspec takes any 64-bit integer; SQLite stores signed ones, so a step of 2**64-1
+                # would later fail a write (an internal error) instead of failing the rank now
+                raise FrameError("bad_message", f"step out of range in {type(msg).__name__} frame")
+            if not isinstance(msg, Heartbeat | Progress | Stacks):
+                ctx.replan()  # a hello or a phase change starts deadlines (heartbeat, progress)
+            await _apply(h, ctx, msg, now)
+    except (FrameError, TransitionError) as exc:
+        message = exc.message if isinstance(exc, FrameError) else f"out-of-order frame: {exc}"
+        h.fail(clock.monotonic())
+        await ctx.journal.event(job, "rank.protocol_error", rank=rank.rank, message=message)
+        ctx.conclude(Outcome(JobState.FAILED, "protocol_error", RootCause(
+            reason="protocol_error", rank=rank.rank, attempt=ctx.number, phase=rank.state.value, detail=message)))
+    finally:
+        h.reader_done.set()
+
+
+async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> None:
+    rank, job, journal = h.rank, ctx.job, ctx.journal
+    match msg:
+        case Heartbeat(step=step):
+            if step != rank.step:
+                rank.step = step
+                rank.last_step_change = now
+        case Progress(step=step, loss=loss):
+            rank.step, rank.loss, rank.last_step_change = step, loss, now
+            if rank.state is RankState.JOINED:
+                await journal.rank_state(job, rank, RankState.TRAINING)
+            if now - h.last_progress_event >= 0.2:
+                h.last_progress_event = now
+                await journal.event(job, "rank.progress", rank=rank.rank, persist=False, step=step, loss=loss)
+        case Hello() as hello:
+            await ctx.connected(h, hello)
+        case Stacks(request=request) as stacks:
+            if (asked := h.asked.get(request)) is not None and asked.reply is None:
+                asked.reply = stacks
+                asked.answered.set()
+        case PhaseChanged(phase=("store_connected" | "joined") as phase) if is_rejoin(rank.state,
+                                                                                      RankState(phase.upper())):
+            if phase == "joined":  # a script's init_process_group again: tracked, the rank keeps its state
+                h.rejoins += 1
+                rank.last_step_change = now  # the rendezvous took its time: the progress clock starts over
+                await journal.event(job, "rank.rejoined", rank=rank.rank, count=h.rejoins, state=rank.state.value)
+        case PhaseChanged(phase="store_connected"):
+            if h.pooled:
+                await ctx.check_pgid(h)
+            await journal.rank_state(job, rank, RankState.STORE_CONNECTED, "rank.store_connected")
+        case PhaseChanged(phase="joined"):
+            rank.last_step_change = now
+            await journal.rank_state(job, rank, RankState.JOINED, "rank.joined",
+                                     seconds=round(now - rank.spawned_at, 3))
+            if all(r.state in (RankState.JOINED, RankState.TRAINING) for r in job.ranks) and (
+                len(job.ranks) == job.spec.nproc and job.state is JobState.STARTING
+            ):
+                await journal.job_state(job, JobState.RUNNING, "all ranks joined")
+        case PhaseChanged(phase="training"):
+            rank.last_step_change = now  # DDP is built: the progress clock starts over
+            if rank.state is RankState.JOINED:
+                await journal.rank_state(job, rank, RankState.TRAINING)
+        case PhaseChanged():
+            pass
+        case Checkpointed(step=step, path=path):
+            await journal.event(job, "job.checkpointed", rank=rank.rank, step=step, path=clip_text(path, 4096))
+        case Result() as result:
+            if h.result is not None:
+                raise FrameError("bad_message", f"rank {rank.rank} sent a second result")
+            h.result = result
+            rank.step = result.steps
+            rank.loss = result.loss if result.loss is not None else rank.loss
+            rank.checksum = result.checksum
+            await journal.event(job, "rank.result", rank=rank.rank, steps=result.steps, loss=result.loss,
+                                checksum=result.checksum, stopped_early=result.stopped_early)
+        case Failure() as failure:
+            h.failures += 1
+            if h.failures > MAX_FAILURES:
+                raise FrameError("flood", f"rank {rank.rank} sent {h.failures} failure frames")
+            if h.failure is None:
+                h.failure = Failure(error=clip_text(failure.error, 1024), message=clip_text(failure.message),
+                                    traceback=clip_text(failure.traceback), phase=clip_text(failure.phase, 256))
+                h.fail(now)
+                await journal.event(job, "rank.failed", rank=rank.rank, error=h.failure.error,
+                                    message=h.failure.message, phase=h.failure.phase,
+                                    traceback=h.failure.traceback)
+            ctx.conclude(Outcome(JobState.FAILED, "rank_failed"))
+
+
+async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
+    """Wait for the rank's exit (its pidfd); a failed rank ends the attempt at once."""
+    exit_ = await procs.wait_exit(h.proc)
+    h.signals_before_exit = ctx.signals_sent()
+    with anyio.move_on_after(RESULT_WAIT):  # frames sent just before exiting (the result) are read first
+        await h.reader_done.wait()
+    if exit_.ok and h.result is None and not h.reader_done.is_set():
+        with anyio.move_on_after(CLEAN_EXIT_RESULT_WAIT):
+            await h.reader_done.wait()
+    h.exit = exit_
+    rank = h.rank
+    rank.exit_code, rank.signal = exit_.code, exit_.signal
+    ok = rank_succeeded(exit_, h.result, ctx.job.spec.script is not None)
+    if not ok:
+        h.fail(ctx.clock.monotonic())
+    h.exited.set()
+    if not ok:  # decided before the journal write: teardown of the peers starts at once
+        cause = None
+        if exit_.ok:  # exit 0 without the Result frame: not a success
+            cause = RootCause(reason="rank_failed", rank=rank.rank, attempt=ctx.number, exit_code=0,
+                              phase=rank.state.value, detail=f"rank {rank.rank} exited 0 without sending its result")
+        ctx.conclude(Outcome(JobState.FAILED, "rank_failed", cause))
+    await ctx.journal.rank_state(ctx.job, rank, RankState.EXITED, "rank.exited",
+                                 exit_code=exit_.code, signal=exit_.signal)
+    if ok and (outcome := ctx.exit_outcome()) is not None:
+        ctx.conclude(outcome)
+
+
+def finished_outcome(handles: list[RankHandle], nproc: int, script: bool, number: int, *,
+                     cancel_requested: str | None, warned: bool, stop_warning_lead: float,
+                     wall: float | None) -> Outcome | None:
+    """Once every rank has succeeded: how the attempt ended (None while any is missing or running).
+
+    Ranks that stopped early ended on a cancel (CANCELLED) or on the wall-time warning (TIMED_OUT).
+    """
+    if len(handles) != nproc or not all(rank_succeeded(h.exit, h.result, script) for h in handles):
+        return None
+    stopped = any(h.result is not None and h.result.stopped_early for h in handles)
+    if stopped and cancel_requested:
+        return Outcome(JobState.CANCELLED, cancel_requested)
+    if stopped and warned:
+        step = max(h.rank.step for h in handles)
+        return Outcome(JobState.TIMED_OUT, "wall_time", RootCause(
+            reason="wall_time", attempt=number,
+            detail=f"stopped at step {step} on the wall-time warning, {stop_warning_lead:.0f}s "
+                   f"before the {wall or 0.0:.0f}s limit"))
+    return Outcome(JobState.SUCCEEDED, "all ranks succeeded")

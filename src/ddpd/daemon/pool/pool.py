@@ -1,0 +1,367 @@
+"""The warm pool: fresh worker interpreters that have already imported torch, waiting for a rank.
+
+A cold rank pays for ``import torch`` and the modules DDP imports lazily (about 2-3 s); a pooled
+one has done that before the job was submitted. The pool keeps interpreters per `PoolKey` (user,
+interpreter, start-up environment; see `poolkeys`), learned from the jobs that ran (`use`), and
+sized by `poolkeys.plan` (``pool_size`` in all, ``pool_per_key`` per key, idle keys forgotten
+after ``pool_idle_expiry``). It is one service in the daemon's root task group:
+
+- **Spawning**: ``<interpreter> -m ddpd.worker --fd N --parent <daemon pid> --pool``
+  (``protocol.worker``) through ``procs.spawn``, always from the event-loop thread (the worker's
+  PR_SET_PDEATHSIG fires when the parent *thread* exits, so never from ``anyio.to_thread``), never
+  forked from the daemon. As a cold rank of that key would be: as the key's user (through the
+  gate, umask 0077), with that interpreter and the key's start-up environment (`start_env`), and,
+  where the daemon has a cgroup subtree, inside a cgroup of its own (``jobs/pool-<n>``) before
+  any code of the user's interpreter runs. Each pool worker leads its own new process group
+  (``process_group=0``), so an idle one is never hit by an attempt's group signals. Its
+  stdout/stderr go to ``pool.log`` (the daemon's, or the user's in their tree) until it is
+  assigned; then it appends them to its rank log (``Assign.log_path``).
+- **Readiness**: the worker's Hello (its CONNECTED) is read here; then the worker is ready and
+  the pool watches only its pidfd. A pool worker sends nothing between Hello and Assign, so the
+  channel is handed over with nothing unread.
+- **Death while idle**: the pidfd wakes the watcher; the worker is reaped, its cgroup killed and
+  removed, logged (``pool.worker_died``) and replaced. A key whose workers die before their
+  Hello backs off exponentially (1 s doubling to 60 s), so a broken interpreter cannot spawn in a
+  loop; other keys are not held up.
+- **take(key)**: hands out a ready worker of that key only and stops watching it; the attempt
+  owns it from then on (it moves the worker's cgroup into the attempt's): one rank of one job,
+  never returned. None when none is ready (the rank starts cold). Every take wakes the refill,
+  which spawns in the background (a task of the pool, not of the attempt), onto idle cores only.
+  No polling: only pidfds, sockets, events and the next expiry's deadline.
+- **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
+  its channel closed (which alone would make an idle worker exit too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from ...protocol import FrameError
+from ...protocol.channel import Hello, WorkerMessage
+from ...protocol.worker import worker_args
+from ..config import Config
+from ..contain import procs
+from ..contain.cgroups import AttemptCgroup, Subtree
+from ..contain.usertree import create_user_file
+from .channel import WorkerChannel
+from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
+
+log = structlog.get_logger("ddpd")
+
+BACKOFF_MAX = 60.0
+SHUTDOWN_WAIT = 5.0
+CGROUP_WAIT = 5.0  # seconds for a pool worker's cgroup to empty after cgroup.kill
+POOL_LOG = "pool.log"
+MAX_KEYS = 256  # keys remembered at once (each is a few hundred bytes; the plan serves the recent ones)
+
+
+@dataclass(eq=False)
+class PoolWorker:
+    proc: subprocess.Popen[bytes]
+    channel: WorkerChannel
+    key: PoolKey
+    env: dict[str, str]  # what it was started with (an assignment brings the difference)
+    cgroup: AttemptCgroup | None = None  # its own, until an attempt takes it over
+    spawned_at: float = field(default_factory=time.monotonic)
+    hello: Hello | None = None
+    taken: bool = False
+    retired: bool = False  # ended by the plan (not a death to report)
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class WarmPool:
+    def __init__(self, config: Config, busy_ranks: Callable[[], int] = lambda: 0,
+                 subtree: Subtree | None = None) -> None:
+        self.config = config
+        self.size = max(0, config.pool_size)
+        self.per_key = max(0, config.pool_per_key)
+        self.idle_expiry = config.pool_idle_expiry
+        self.subtree = subtree  # pool workers get cgroups of their own under subtree.jobs
+        self.log_path = config.state_dir / POOL_LOG
+        self._demand: dict[PoolKey, Demand] = {}
+        self._ready: dict[PoolKey, deque[PoolWorker]] = {}
+        self._starting: set[PoolWorker] = set()
+        self._workers: set[PoolWorker] = set()  # every untaken worker not yet reaped
+        self._wake = anyio.Event()
+        self._failures: dict[PoolKey, int] = {}  # consecutive deaths before hello, per key
+        self._retry_at: dict[PoolKey, float] = {}
+        self._closing = False
+        self._cores = len(os.sched_getaffinity(0))
+        self._names = itertools.count()
+        self.busy_ranks = busy_ranks  # CPU-busy ranks of running jobs
+
+    @property
+    def contained(self) -> bool:
+        """Pool workers live in cgroups of their own (an attempt without a cgroup must start cold)."""
+        return self.subtree is not None
+
+    def poke(self) -> None:
+        """Something freed cores (a job ended): refill if the pool is short."""
+        self._wake.set()
+
+    def _idle_core(self) -> bool:
+        """Refill only onto idle cores: importing torch (seconds of CPU) must not slow a running job."""
+        return self.busy_ranks() + len(self._starting) < self._cores
+
+    # -- for attempts ----------------------------------------------------------------------
+
+    @property
+    def ready_pids(self) -> list[int]:
+        return [w.pid for q in self._ready.values() for w in q]
+
+    def ready_count(self, key: PoolKey) -> int:
+        return len(self._ready.get(key, ()))
+
+    def serves(self, shape: Shape) -> bool:
+        """Whether the pool may hold interpreters of this shape: another user's only where each
+        pooled interpreter has a cgroup of its own (what its start forks must not escape)."""
+        return self.size > 0 and (shape.identity is None or self.contained)
+
+    def use(self, shape: Shape, ranks: int) -> None:
+        """A job of this shape is starting `ranks` ranks: keep its key warm for the next one."""
+        if not self.serves(shape):
+            return
+        self._demand[shape.key] = Demand(shape, ranks, time.monotonic())
+        if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
+            del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
+        self._wake.set()
+
+    def take(self, key: PoolKey) -> PoolWorker | None:
+        """A ready worker of `key`, now the caller's (it leads its own process group and cgroup);
+        None: start cold."""
+        ready = self._ready.get(key)
+        while ready:
+            w = ready.popleft()
+            w.taken = True
+            self._workers.discard(w)
+            w.scope.cancel()  # the watcher lets go of it (its pidfd wait ends at the next checkpoint)
+            self._wake.set()
+            if w.proc.poll() is not None:  # died a moment ago, before its watcher ran
+                log.warning("pool.worker_died", pid=w.pid, exit=str(procs.Exit.from_returncode(w.proc.returncode)),
+                            idle=True)
+                w.channel.close()
+                if w.cgroup is not None:
+                    end_cgroup(w.cgroup)
+                continue
+            assert w.hello is not None
+            log.info("pool.worker_taken", pid=w.pid, ready=len(ready), uid=key.uid, size=self.size)
+            return w
+        return None
+
+    # -- the service -----------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Keep each key's share ready or starting until cancelled; then kill and reap them all."""
+        if self.subtree is not None:  # pool cgroups a killed daemon left behind (whatever the size now)
+            await anyio.to_thread.run_sync(_sweep_cgroups, self.subtree.jobs)
+        if self.size == 0:
+            task_status.started()
+            return
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                log.info("pool.started", size=self.size, per_key=self.per_key, idle_expiry=self.idle_expiry,
+                         log=str(self.log_path))
+                while True:
+                    await self._fill(tg)
+                    with anyio.move_on_after(self._sleep()):
+                        await self._wake.wait()
+                    self._wake = anyio.Event()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+
+    def _sleep(self) -> float:
+        """Until the next key expires or a backoff ends (or a day: a wake comes first)."""
+        now = time.monotonic()
+        times = [t for t in (next_expiry(self._demand, self.idle_expiry), *self._retry_at.values()) if t is not None]
+        return max(0.01, min(times, default=now + 86400.0) - now)
+
+    def _held(self) -> dict[PoolKey, int]:
+        held = {k: len(q) for k, q in self._ready.items() if q}
+        for w in self._starting:
+            held[w.key] = held.get(w.key, 0) + 1
+        return held
+
+    async def _fill(self, tg: TaskGroup) -> None:
+        now = time.monotonic()
+        todo = plan(self._demand, self._held(), total=self.size, per_key=self.per_key,
+                    idle_expiry=self.idle_expiry, now=now)
+        for key in todo.forget:
+            del self._demand[key]
+            self._failures.pop(key, None)
+            log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
+        # backoffs still running, of keys still wanted (a past one must not wake the loop again)
+        self._retry_at = {k: t for k, t in self._retry_at.items() if t > now and k in self._demand}
+        for key, n in todo.retire.items():
+            ready = self._ready.get(key, deque())
+            for _ in range(min(n, len(ready))):
+                w = ready.popleft()  # the oldest first
+                w.retired = True
+                log.info("pool.worker_retired", pid=w.pid, uid=key.uid)
+                self._kill(w)  # its watcher reaps it and ends its cgroup
+        for key, n in todo.spawn.items():
+            if key in self._retry_at:
+                continue
+            for _ in range(n):
+                if self._closing or not self._idle_core() or key not in self._demand:
+                    return
+                new = await self._spawn(self._demand[key].shape)
+                if new is None:
+                    self._failed(key)
+                    break
+                self._starting.add(new)
+                self._workers.add(new)
+                tg.start_soon(self._watch, new)
+                await anyio.lowlevel.checkpoint()  # let a waiting attempt run between spawns
+
+    def _failed(self, key: PoolKey) -> None:
+        n = self._failures[key] = self._failures.get(key, 0) + 1
+        delay = min(BACKOFF_MAX, 2.0 ** (n - 1))
+        self._retry_at[key] = time.monotonic() + delay
+        log.warning("pool.backoff", seconds=delay, failures=n, key=key.label())
+        self._wake.set()
+
+    async def _spawn(self, shape: Shape) -> PoolWorker | None:
+        """Start one pool worker of `shape` (the spawn itself from the event-loop thread)."""
+        cgroup: AttemptCgroup | None = None
+        try:
+            if self.subtree is not None:
+                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                                                        f"pool-{os.getpid()}-{next(self._names)}")
+            log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
+        except OSError as exc:
+            if cgroup is not None:
+                await anyio.to_thread.run_sync(end_cgroup, cgroup)
+            log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
+            return None
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = [*shape.argv, *worker_args(child_end.fileno(), os.getpid(), pool=True)]
+        try:
+            proc = procs.spawn(argv, env=shape.env, cwd=shape.cwd, log_fd=log_fd, pass_fds=[child_end.fileno()],
+                               process_group=0, identity=shape.identity,
+                               place=None if cgroup is None else cgroup.add)
+        except OSError as exc:
+            parent_end.close()
+            if cgroup is not None:
+                await anyio.to_thread.run_sync(end_cgroup, cgroup)
+            log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
+            return None
+        finally:
+            child_end.close()
+            os.close(log_fd)
+        log.info("pool.worker_spawned", pid=proc.pid, uid=shape.key.uid)
+        return PoolWorker(proc, WorkerChannel(parent_end), shape.key, dict(shape.env), cgroup)
+
+    def _open_log(self, shape: Shape) -> int:
+        """pool.log: the daemon's for its own user's workers, else the user's own, in their tree."""
+        if shape.identity is None:
+            return procs.open_log(self.log_path)
+        return create_user_file(self.config.state_dir, shape.identity, name=POOL_LOG)
+
+    async def _watch(self, w: PoolWorker) -> None:
+        """Read the worker's Hello, then wait on its pidfd until it dies or is taken."""
+        with w.scope:
+            try:
+                hello: WorkerMessage | None = None
+                try:
+                    async for first in w.channel.frames():
+                        hello = first
+                        break  # only the first frame: the rest of the channel is the attempt's
+                except FrameError:
+                    hello = None
+                self._starting.discard(w)
+                if not isinstance(hello, Hello) or hello.pid != w.pid:
+                    self._kill(w)
+                    exit_ = await procs.wait_exit(w.proc)
+                    log.error("pool.worker_failed", pid=w.pid, exit=str(exit_), log=str(self.log_path),
+                              first_frame=type(hello).__name__, uid=w.key.uid)
+                    self._failed(w.key)
+                    return
+                self._failures.pop(w.key, None)
+                w.hello = hello
+                if self._closing or w.key not in self._demand:  # forgotten while it started
+                    self._kill(w)
+                    await procs.wait_exit(w.proc)
+                    return
+                self._ready.setdefault(w.key, deque()).append(w)
+                self._wake.set()  # its core is free again: the next one may start
+                log.info("pool.worker_ready", pid=w.pid, seconds=round(time.monotonic() - w.spawned_at, 3),
+                         ready=len(self._ready[w.key]), uid=w.key.uid, size=self.size)
+                exit_ = await procs.wait_exit(w.proc)
+                if not (self._closing or w.retired):
+                    log.warning("pool.worker_died", pid=w.pid, exit=str(exit_), idle=True)
+            finally:
+                self._starting.discard(w)
+                ready = self._ready.get(w.key)
+                if ready is not None and w in ready:
+                    ready.remove(w)
+                if ready is not None and not ready and w.key not in self._demand:
+                    del self._ready[w.key]
+                if w.proc.returncode is not None:  # reaped; else (shutdown) `_close` kills it
+                    self._workers.discard(w)
+                    w.channel.close()
+                    if w.cgroup is not None and not w.taken:
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
+                if not w.taken:
+                    self._wake.set()
+
+    def _kill(self, w: PoolWorker) -> None:
+        if w.proc.returncode is None:  # not reaped yet: the pid is still ours
+            procs.kill_group(w.pid, signal.SIGKILL)  # it leads its own group until assigned
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def _close(self) -> None:
+        self._closing = True
+        left = list(self._workers)
+        self._ready.clear()
+        for w in left:
+            w.channel.close()
+            self._kill(w)
+        with anyio.move_on_after(SHUTDOWN_WAIT):
+            for w in left:
+                await procs.wait_exit(w.proc)
+        for w in left:
+            if w.cgroup is not None:
+                await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
+        alive = [w.pid for w in left if w.proc.poll() is None]
+        log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
+
+
+def end_cgroup(cgroup: AttemptCgroup) -> None:
+    """Kill whatever a pool worker left in its cgroup (a forked escapee included) and remove it."""
+    try:
+        if cgroup.kill(CGROUP_WAIT):
+            cgroup.remove()
+        else:
+            log.warning("pool.cgroup_busy", cgroup=str(cgroup.path), pids=cgroup.pids())
+    except OSError as exc:
+        log.warning("pool.cgroup_failed", cgroup=str(cgroup.path), error=str(exc))
+
+
+def _sweep_cgroups(jobs: Path) -> None:
+    for path in jobs.glob("pool-*"):
+        if path.is_dir():
+            end_cgroup(AttemptCgroup(path))

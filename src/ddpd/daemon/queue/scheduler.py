@@ -1,0 +1,385 @@
+"""The durable queue: admission, one runner task per job, restarts, recovery, retention and removal.
+
+Decisions on job states come from `lifecycle`; every write goes through the journal. A job is saved
+before it is published: a submission whose row cannot be written raises StorageError and leaves no trace.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+
+from ...protocol import JobSpec, JobState, SpecError
+from ...protocol.control import RootCause
+from ...protocol.spec import is_multinode
+from ...protocol.worker import marker_entry
+from ..attempt.attempt import Attempt, Outcome
+from ..config import Config
+from ..contain.cgroups import Subtree
+from ..contain.usertree import remove_job_dir
+from ..multinode.elastic import NodeError, check_endpoint
+from ..multinode.nodes import NodeSession
+from ..pool.pool import WarmPool
+from ..store.errors import ForbiddenError, NotRunnableError
+from ..store.journal import Journal
+from ..store.records import Job, job_dir
+from . import lifecycle
+from .admission import admit, check_key, check_limits, over_user_gpus
+from .dependencies import Broken, Ready, resolve_after, states_of, verdict
+from .leftovers import kill_cgroup, kill_marked
+from .resources import Resources
+from .retention import Retention
+from .table import JobTable
+
+log = structlog.get_logger("ddpd")
+
+
+class Scheduler:
+    def __init__(self, config: Config, journal: Journal, resources: Resources, pool: WarmPool | None = None,
+                 clock: Callable[[], float] = time.time, subtree: Subtree | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.subtree = subtree  # where attempts get their cgroups; None: process groups and markers only
+        self.journal = journal
+        self.resources = resources
+        self.clock = clock  # wall-clock time (retention is counted in it)
+        self.table = JobTable(journal)
+        self.jobs = self.table.jobs  # every unended job and the most recent ended ones (see table)
+        self.unended = self.table.unended
+        self.attempts: dict[str, Attempt] = {}
+        self.running: set[str] = set()
+        self._wake = anyio.Event()
+        self.accepting = True
+        self._idle = anyio.Event()
+        self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
+        self.retention = Retention(journal, config.retention, clock)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int]:
+        queued = sum(1 for j in self.unended.values() if j.state is JobState.QUEUED)
+        return len(self.running), queued
+
+    async def lookup(self, job_id: str) -> Job | None:
+        """A job by id, held in memory or read from the journal (None: no such job)."""
+        return await self.table.lookup(job_id)
+
+    async def page(self, limit: int, before: int | None = None, *, owner_uid: int | None = None,
+                   active: bool = False) -> list[Job]:
+        """Up to `limit` jobs with seq below `before`, newest first."""
+        return await self.table.page(limit, before, owner_uid=owner_uid, active=active)
+
+    def queue_positions(self) -> dict[str, int]:
+        """Each queued job's place in line (1: the next to start), in the order the scheduler admits them."""
+        waiting = (j for j in self.table.queued() if j.id not in self.running)
+        return {j.id: n for n, j in enumerate(waiting, start=1)}
+
+    def state_counts(self) -> dict[JobState, int]:
+        return self.table.state_counts()
+
+    def timeouts(self, spec: JobSpec) -> dict[str, Any]:
+        d = self.config.defaults
+        t = spec.timeouts
+        return {
+            "join": t.join or d.join,
+            "heartbeat": t.heartbeat or d.heartbeat,
+            "progress": t.progress or d.progress,
+            "wall": t.wall or d.wall,
+            "kill_grace": t.kill_grace or d.kill_grace,
+            "stop_warning": t.stop_warning or d.stop_warning,
+        }
+
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
+        self.resources.resize_cpu(config.cpu_slots)
+        self.config = config
+        self.retention.retention = config.retention
+        self.retention.wake()
+        self._notify()  # a raised limit may let queued jobs start
+
+    # -- admission -------------------------------------------------------------------------
+
+    async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
+        key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
+        if key is not None and (existing := await self.table.by_key(*key)) is not None:
+            return existing, True
+        spec = await resolve_after(await admit(spec, self.config, self.resources), self.table)
+        try:
+            await anyio.to_thread.run_sync(check_endpoint, spec, owner_uid)  # free, where this daemon serves it
+        except NodeError as exc:
+            raise SpecError("rdzv_endpoint", str(exc).removeprefix("rdzv_endpoint: ")) from None
+        while key is not None and (pending := self._pending_keys.get(key)) is not None:
+            await pending.wait()  # the same key is being saved: its outcome decides
+        done = anyio.Event()
+        if key is not None:
+            self._pending_keys[key] = done  # from here until saved, a submit with this key waits
+        try:
+            if key is not None and (existing := await self.table.by_key(*key)) is not None:
+                return existing, True
+            check_limits(self.config, self.unended.values(), owner_uid)
+            self.table.max_seq = seq = self.table.max_seq + 1  # taken now: concurrent submits differ
+            job = Job(
+                id=f"j{seq}-{secrets.token_hex(2)}",
+                seq=seq,
+                name=spec.name or (spec.task or os.path.basename(spec.script[0] if spec.script else "job")),
+                owner_uid=owner_uid,
+                spec=spec,
+                state=JobState.QUEUED,
+                submitted_at=self.clock(),
+                idempotency_key=idempotency_key,
+            )
+            await self.journal.create_job(job)  # StorageError: nothing published
+            self.table.add(job)
+        finally:
+            if key is not None:
+                del self._pending_keys[key]
+            done.set()
+        # never an environment value in the journal: the interpreter and what --export named at most
+        shape: dict[str, Any] = {"python": spec.python, "export": spec.export} if spec.python else {}
+        await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
+                                 task=spec.task, script=spec.script, **shape)
+        self._notify()
+        return job, False
+
+    async def cancel(self, job: Job, reason: str, force: bool) -> None:
+        if job.state.final:
+            return
+        job.cancel_requested = reason
+        if job.state is JobState.QUEUED:
+            await self.journal.job_state(job, JobState.CANCELLED, reason, finish=False)
+            await self._ended(job)
+            self._notify()
+            return
+        attempt = self.attempts.get(job.id)
+        if attempt is not None:
+            attempt.request_cancel(reason, force)
+
+    async def remove(self, job: Job, uid: int) -> None:
+        """`rm`: forget an ended job (row, ranks, attempts, events, logs and checkpoints); owner or root."""
+        if uid not in (0, job.owner_uid):
+            raise ForbiddenError(f"job {job.id} belongs to uid {job.owner_uid}; only it or root may remove it")
+        refused = lifecycle.removal_refused(job.state)
+        if refused is not None:
+            raise NotRunnableError(f"job {job.id}: {refused}")
+        await self._delete(job)
+        await self.journal.event(None, "job.removed", removed=job.id, by_uid=uid)
+
+    def _notify(self) -> None:
+        self._wake.set()
+
+    # -- the scheduling loop ---------------------------------------------------------------
+
+    async def run(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self.retention.run, self._prune)
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            if not self.accepting:
+                continue
+            queue = [job for job in self.table.queued() if job.id not in self.running]  # not those started
+            # a job waiting for its dependencies lets the jobs behind it start; one whose dependency
+            # failed fails now, whatever the queue is waiting for
+            blocked = {job.id for job in queue if job.spec.after and not await self._dependencies_met(job)}
+            for job in queue:  # strict order: the head of the queue is never overtaken
+                if job.id in blocked or job.state is not JobState.QUEUED:  # (cancelled while deps were read)
+                    continue
+                if len(self.running) >= self.config.max_running:
+                    break
+                if over_user_gpus(self.config, (j for j in self.unended.values() if j.id in self.running), job):
+                    continue  # its owner's limit, not the machine's: others' jobs may pass it
+                gpus = self.resources.take(job.spec)
+                if gpus is None:
+                    break
+                job.gpus = gpus
+                self.running.add(job.id)
+                tg.start_soon(self._run_job, job)
+
+    async def _dependencies_met(self, job: Job) -> bool:
+        """Whether every job `job` waits for has SUCCEEDED; fails it when one ended otherwise."""
+        pending = job.spec.after if job.waiting_on is None else job.waiting_on
+        try:
+            states = await states_of(pending, self.lookup)
+        except Exception:  # the journal cannot be read now: the job waits, the queue goes on
+            log.exception("job.dependencies_unreadable", job_id=job.id)
+            return False
+        if job.state is not JobState.QUEUED:  # cancelled while they were read
+            return False
+        match verdict(states):
+            case Ready():
+                job.waiting_on = []
+                return True
+            case Broken(reason=reason):
+                job.root_cause = RootCause(reason=reason)
+                await self.journal.job_state(job, JobState.FAILED, reason, finish=False, root_cause=reason)
+                await self._ended(job)
+                self._notify()  # the jobs that wait for this one fail in turn
+            case waiting:
+                job.waiting_on = waiting.on
+        return False
+
+    async def _run_job(self, job: Job) -> None:
+        try:
+            with structlog.contextvars.bound_contextvars(job_id=job.id):
+                await self._attempts(job)
+        except Exception as exc:  # a bug in one job's supervision must not take the daemon down
+            log.exception("job.internal_error", job_id=job.id)
+            with anyio.CancelScope(shield=True):
+                await self._fail_internal(job, exc)
+        finally:
+            self.resources.give_back(job.spec, job.gpus)
+            job.gpus = []
+            self.running.discard(job.id)
+            self.attempts.pop(job.id, None)
+            if not self.running:
+                self._idle.set()
+            if self.pool is not None:
+                self.pool.poke()
+            self._notify()
+
+    async def _attempts(self, job: Job) -> None:
+        timeouts = self.timeouts(job.spec)
+        multi = is_multinode(job.spec)
+        nodes = NodeSession(job.spec, self.config.port_range, float(timeouts["join"])) if multi else None
+        if nodes is not None:
+            job.nodes = nodes.nodes
+        try:
+            await self._attempt_loop(job, timeouts, nodes)
+        finally:
+            if nodes is not None:
+                with anyio.CancelScope(shield=True):
+                    final = job.state.final
+                    await nodes.close(job.state.value.lower() if final else "stopped", final=final)
+
+    async def _attempt_loop(self, job: Job, timeouts: dict[str, Any], nodes: NodeSession | None) -> None:
+        while True:
+            job.attempt += 1
+            job.ranks = []
+            job.root_cause = None
+            await self.journal.job_state(job, JobState.STARTING, f"attempt {job.attempt}")
+            attempt = Attempt(self.config, self.journal, job, job.attempt, timeouts, self.pool, subtree=self.subtree,
+                              nodes=nodes)
+            self.attempts[job.id] = attempt
+            if job.cancel_requested:
+                attempt.request_cancel(job.cancel_requested, force=False)
+            elif not self.accepting:
+                attempt.request_shutdown()
+            outcome = await attempt.run()
+            job.root_cause = outcome.root_cause
+            free = 0 if nodes is None else nodes.membership_changes  # re-forms for joining nodes: not restarts
+            new = lifecycle.after_attempt(outcome.state, outcome.reason, attempt=job.attempt - free,
+                                          max_restarts=job.spec.max_restarts,
+                                          cancel_requested=job.cancel_requested is not None,
+                                          accepting=self.accepting)
+            if new is JobState.QUEUED:
+                await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
+                return
+            await self.journal.job_state(job, new, outcome.reason, finish=False, root_cause=_rc(outcome))
+            if new is JobState.RESTARTING:
+                continue
+            await self._ended(job)
+            return
+
+    async def _fail_internal(self, job: Job, exc: Exception) -> None:
+        """Never raises: the job ends FAILED in memory even when nothing can be written."""
+        if job.state.final:
+            return
+        job.root_cause = RootCause(reason="internal_error", attempt=job.attempt, detail=repr(exc))
+        try:
+            await self.journal.job_state(job, JobState.FAILED, "internal_error", finish=False)
+            await self._ended(job)
+        except Exception:
+            log.exception("job.internal_error_unrecorded", job_id=job.id)
+            job.state, job.reason, job.finished_at = JobState.FAILED, "internal_error", self.clock()
+            job.finished.set()
+            job.finished.set()
+
+    async def _ended(self, job: Job) -> None:
+        """A job reached its final state: the summary event, and its place in the retention heap."""
+        duration = None if job.started_at is None else round((job.finished_at or time.time()) - job.started_at, 3)
+        rc = job.root_cause
+        try:
+            self.table.ended(job)
+            self.retention.wake()
+            await self.journal.event(
+                job, "job.finished", state=job.state.value, reason=job.reason, duration=duration,
+                attempts=job.attempt, root_cause=None if rc is None else rc.detail,
+                root_cause_rank=None if rc is None else rc.rank,
+            )
+        finally:
+            job.finished.set()  # after the summary event: a `wait` returns once every event of the job is out
+
+    # -- history and retention ---------------------------------------------------------------
+
+    async def _prune(self, job_id: str) -> None:
+        job = await self.lookup(job_id)
+        if job is not None:
+            await self._delete(job)
+            await self.journal.event(None, "job.pruned", pruned=job_id, finished_at=job.finished_at)
+
+    async def _delete(self, job: Job) -> None:
+        """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
+        await self.journal.delete_job(job.id)
+        self.table.forget(job, deleted=True)
+        path = job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
+        try:
+            await anyio.to_thread.run_sync(remove_job_dir, self.config.state_dir, job.owner_uid, job.id)
+        except OSError as exc:  # a symlink or a foreign directory planted on the way: left, reported
+            log.warning("job.files_not_removed", job_id=job.id, error=str(exc))
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def shutdown(self, force: bool) -> None:
+        """Stop taking work; running jobs stop gracefully (or are killed at once) and go back to the queue."""
+        self.accepting = False
+        for attempt in list(self.attempts.values()):
+            if force:
+                attempt.force()
+            else:
+                attempt.request_shutdown()
+        if self.running:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+
+    # -- recovery --------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Load every job; kill what is left of jobs that were running; keep the queue in order."""
+        await self.table.load()
+        for job in list(self.unended.values()):
+            new = lifecycle.after_daemon_restart(job.state, attempt=job.attempt, max_restarts=job.spec.max_restarts)
+            if new is None:
+                continue
+            killed = await self._kill_attempt_leftovers(job)
+            if new is JobState.FAILED:
+                job.root_cause = RootCause(reason="daemon_restart", attempt=job.attempt,
+                                           detail="the daemon stopped while the job was running")
+            await self.journal.job_state(job, new, "daemon_restart", finish=False, killed=killed)
+            if new.final:
+                await self._ended(job)
+        self._notify()
+
+    async def _kill_attempt_leftovers(self, job: Job) -> list[int]:
+        killed: list[int] = []
+        for path in await self.journal.attempt_cgroups(job.id, job.attempt):  # the cgroup first: it misses nothing
+            killed += await anyio.to_thread.run_sync(kill_cgroup, path)
+        for token in await self.journal.attempt_tokens(job.id, job.attempt):
+            marker = marker_entry(job.id, job.attempt, token)
+            killed += await anyio.to_thread.run_sync(kill_marked, marker)
+        if killed:
+            await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
+        return killed
+
+
+def _rc(outcome: Outcome) -> str | None:
+    return None if outcome.root_cause is None else outcome.root_cause.detail

@@ -1,0 +1,364 @@
+"""The journal: the one owner of the state database's queries, and the event stream.
+
+Every state change is one SQLite write, one event for followers and one structured log line. Writes made
+while jobs are supervised never raise: a write that fails (database locked past its busy timeout, disk
+full, read-only) is retried with a bounded backoff, then logged as `journal.write_failed` and dropped, so
+the in-memory state stays authoritative and the daemon keeps supervising. Only `create_job` (a new
+submission) and `delete_job` raise `StorageError`: a job is saved before it is published, and a failed
+save leaves no trace.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+
+from ...protocol import JobSpec, JobState, RankState, check_job_transition, check_rank_transition
+from ...protocol.control import EventView, RootCause
+from ...protocol.limits import clip_text
+from .bus import EventBus
+from .errors import StorageError
+from .records import Job, Rank
+from .state import StateDB
+
+__all__ = ["EventBus", "Journal", "StorageError"]
+
+log = structlog.get_logger("ddpd")
+
+WRITE_RETRIES = (0.1, 0.5, 1.0)  # pauses between tries of a failed write (each try waits the busy timeout)
+DEGRADED_FOR = 30.0  # seconds after a write was given up during which writes are tried once only
+LOG_TRACEBACK_CHARS = 4000
+_FINAL = "(" + ", ".join(f"'{s.value}'" for s in JobState if s.final) + ")"  # SQL: the final states
+_WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed",
+                          "rank.unkillable", "rank.protocol_error"})
+
+
+class Journal:
+    """The one place job and rank state changes are recorded, and the only code that speaks SQL."""
+
+    def __init__(self, db: StateDB, bus: EventBus, *, retries: Sequence[float] = WRITE_RETRIES,
+                 sleep: Callable[[float], Awaitable[None]] = anyio.sleep) -> None:
+        self.db = db
+        self.bus = bus
+        self._retries = tuple(retries)
+        self._sleep = sleep
+        self.failed_writes = 0
+        self._degraded_until = 0.0  # monotonic: storage failed lately, do not stall supervision on retries
+
+    # -- writes that never raise -------------------------------------------------------------------
+
+    async def _write(self, what: str, fn: Callable[[sqlite3.Connection], Any], job_id: str | None = None) -> Any:
+        """Run a write; retry a failure with a bounded backoff, then log it and go on (None).
+
+        Once a write was given up, the next ones for DEGRADED_FOR seconds are tried once only, so a
+        long outage costs each write one busy timeout, not the whole backoff.
+        """
+        retries = () if time.monotonic() < self._degraded_until else self._retries
+        for pause in (*retries, None):
+            try:
+                result = await self.db.run(fn)
+                self._degraded_until = 0.0
+                return result
+            except sqlite3.Error as exc:
+                if pause is None:
+                    self.failed_writes += 1
+                    self._degraded_until = time.monotonic() + DEGRADED_FOR
+                    log.error("journal.write_failed", what=what, job_id=job_id, error=str(exc))
+                    self.bus.publish(EventView(seq=0, ts=time.time(), kind="journal.write_failed", job_id=job_id,
+                                               attempt=None, rank=None, data={"what": what, "error": str(exc)}))
+                    return None
+                log.warning("journal.write_retry", what=what, job_id=job_id, error=str(exc), pause=pause)
+                await self._sleep(pause)
+        return None  # pragma: no cover (the loop returns)
+
+    async def event(
+        self, job: Job | None, kind: str, *, rank: int | None = None, persist: bool = True, **data: Any
+    ) -> None:
+        ts = time.time()
+        job_id = job.id if job else None
+        attempt = job.attempt if job else None
+        seq = 0
+        if persist:
+            text = json.dumps(data, default=str)
+            seq = await self._write(kind, lambda c: c.execute(
+                "INSERT INTO events (ts, job_id, attempt, rank, kind, data) VALUES (?, ?, ?, ?, ?, ?)",
+                (ts, job_id, attempt, rank, kind, text)).lastrowid, job_id) or 0
+        self.bus.publish(EventView(seq=seq, ts=ts, kind=kind, job_id=job_id, attempt=attempt, rank=rank, data=data))
+        if persist:
+            level = "warning" if kind in _WARN_EVENTS else "info"
+            fields = dict(data)
+            if isinstance(fields.get("traceback"), str):  # its tail: where it failed, bounded for journald
+                fields["traceback"] = fields["traceback"][-LOG_TRACEBACK_CHARS:]
+            getattr(log, level)(kind, job_id=job_id, attempt=attempt, rank=rank, **fields)
+
+    async def save_job(self, job: Job) -> None:
+        row = job_row(job)
+        await self._write("job", lambda c: _upsert(c, "jobs", ("id",), row), job.id)
+
+    async def save_attempt(self, job: Job, attempt: int, *, pgid: int | None, store_port: int | None,
+                           token: str, cgroup: str | None = None) -> None:
+        """The attempt's row: its group, store port, marker token and cgroup (what recovery kills)."""
+        row = {"job_id": job.id, "attempt": attempt, "pgid": pgid, "store_port": store_port, "token": token,
+               "started_at": time.time(), "cgroup": cgroup}
+        await self._write("attempt", lambda c: _upsert(c, "attempts", ("job_id", "attempt"), row), job.id)
+
+    async def save_rank(self, job: Job, rank: Rank) -> None:
+        row = rank_row(job.id, rank)
+        await self._write("rank", lambda c: _upsert(c, "ranks", ("job_id", "attempt", "rank"), row), job.id)
+
+    async def job_state(self, job: Job, new: JobState, reason: str | None = None, *, finish: bool = True,
+                        **data: Any) -> None:
+        """Check and apply a transition in memory first, then record it; a final state sets job.finished
+        (unless `finish` is False: the caller sets it once the job's last events are recorded, so that
+        a `wait` returns after them)."""
+        old = job.state
+        check_job_transition(old, new)
+        job.state = new
+        now = time.time()
+        if new is JobState.STARTING and job.started_at is None:
+            job.started_at = now
+        if reason is not None:
+            job.reason = reason
+        if new.final:
+            job.finished_at = now
+        try:
+            await self.save_job(job)
+            data.update({"from": old.value, "to": new.value, "reason": reason})
+            await self.event(job, "job.state_changed", **data)
+        finally:
+            if new.final and finish:
+                job.finished.set()
+
+    async def rank_state(
+        self, job: Job, rank: Rank, new: RankState, kind: str = "rank.state_changed", **data: Any
+    ) -> None:
+        old = rank.state
+        check_rank_transition(old, new)
+        rank.state = new
+        await self.save_rank(job, rank)
+        data.update({"from": old.value, "to": new.value})
+        await self.event(job, kind, rank=rank.rank, **data)
+
+    async def save_curves(self, curves: dict[str, str]) -> None:
+        """Job curves (JSON by job id) in one transaction; a job no longer on record gets none."""
+        def fn(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.executemany("INSERT INTO curves (job_id, data) SELECT ?, ? WHERE EXISTS "
+                              "(SELECT 1 FROM jobs WHERE id = ?) ON CONFLICT(job_id) DO UPDATE SET data=excluded.data",
+                              [(job_id, data, job_id) for job_id, data in curves.items()])
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+
+        await self._write("curves", fn)
+
+    # -- writes a client waits on: they raise StorageError ---------------------------------------
+
+    async def create_job(self, job: Job) -> None:
+        """Insert a new job's row; StorageError if it cannot be written (the caller publishes nothing)."""
+        row = job_row(job)
+        cols = ", ".join(row)
+        marks = ", ".join(f":{c}" for c in row)
+        try:
+            await self.db.run(lambda c: c.execute(f"INSERT INTO jobs ({cols}) VALUES ({marks})", row))
+        except sqlite3.Error as exc:
+            log.error("journal.submit_failed", job_id=job.id, error=str(exc))
+            raise StorageError(f"the job could not be saved ({exc}); no job was created, retry later") from None
+
+    async def delete_job(self, job_id: str) -> None:
+        """Remove a job's row, attempts, ranks and events in one transaction."""
+        def fn(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                for table, col in (("events", "job_id"), ("ranks", "job_id"), ("attempts", "job_id"),
+                                   ("curves", "job_id"), ("jobs", "id")):
+                    c.execute(f"DELETE FROM {table} WHERE {col} = ?", (job_id,))
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+
+        try:
+            await self.db.run(fn)
+        except sqlite3.Error as exc:
+            raise StorageError(f"job {job_id} could not be removed ({exc}); retry later") from None
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def load_curve(self, job_id: str) -> str | None:
+        """A job's stored curve (JSON), None when it has none."""
+        rows = await self.db.run(lambda c: c.execute("SELECT data FROM curves WHERE job_id = ?", (job_id,)).fetchall())
+        return str(rows[0]["data"]) if rows else None
+
+    async def load_jobs(self, recent_ended: int | None = None) -> list[Job]:
+        """Jobs by seq, with their latest attempt's ranks: every job, or the unended ones and the most
+        recent `recent_ended` ended ones (the rest stays on disk: `load_job`, `list_jobs_page`)."""
+        sql = "SELECT * FROM jobs ORDER BY seq"
+        if recent_ended is not None:
+            sql = (f"SELECT * FROM jobs WHERE state NOT IN {_FINAL} UNION ALL "
+                   f"SELECT * FROM (SELECT * FROM jobs WHERE state IN {_FINAL} ORDER BY seq DESC LIMIT ?) "
+                   "ORDER BY seq")
+        rows = await self.db.run(lambda c: c.execute(sql, () if recent_ended is None else (recent_ended,)).fetchall())
+        return await self._with_ranks([job_from_row(r) for r in rows])
+
+    async def load_job(self, job_id: str) -> Job | None:
+        rows = await self.db.run(lambda c: c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchall())
+        return (await self._with_ranks([job_from_row(rows[0])]))[0] if rows else None
+
+    async def list_jobs_page(self, limit: int, before: int | None = None, *, owner_uid: int | None = None,
+                             active: bool = False) -> list[Job]:
+        """Up to `limit` jobs with seq below `before`, newest first; one owner's, or only unended ones."""
+        sql, params = "SELECT * FROM jobs WHERE seq < ?", [before if before is not None else 2**63 - 1]
+        if owner_uid is not None:
+            sql += " AND owner_uid = ?"
+            params.append(owner_uid)
+        if active:
+            sql += f" AND state NOT IN {_FINAL}"
+        rows = await self.db.run(lambda c: c.execute(sql + " ORDER BY seq DESC LIMIT ?", (*params, limit)).fetchall())
+        return await self._with_ranks([job_from_row(r) for r in rows])
+
+    async def ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """Up to `limit` job ids that start with `prefix` (a range on the primary key), oldest first."""
+        if not prefix:
+            return []
+        upper = prefix[:-1] + chr(min(ord(prefix[-1]) + 1, 0x10FFFF))
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY seq LIMIT ?", (prefix, upper, limit)).fetchall())
+        return [str(r["id"]) for r in rows]
+
+    async def job_by_key(self, owner_uid: int, key: str) -> str | None:
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT id FROM jobs WHERE owner_uid = ? AND idempotency_key = ?", (owner_uid, key)).fetchall())
+        return str(rows[0]["id"]) if rows else None
+
+    async def ended_counts(self) -> dict[JobState, int]:
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT state, count(*) AS n FROM jobs WHERE state IN {_FINAL} GROUP BY state").fetchall())
+        return {JobState(r["state"]): int(r["n"]) for r in rows}
+
+    async def oldest_ended(self) -> float | None:
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT min(finished_at) AS t FROM jobs WHERE state IN {_FINAL}").fetchall())
+        return None if rows[0]["t"] is None else float(rows[0]["t"])
+
+    async def ended_before(self, cutoff: float, limit: int) -> list[str]:
+        """Ids of ended jobs that finished before `cutoff`, oldest first."""
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT id FROM jobs WHERE state IN {_FINAL} AND finished_at < ? ORDER BY finished_at LIMIT ?",
+            (cutoff, limit)).fetchall())
+        return [str(r["id"]) for r in rows]
+
+    async def _with_ranks(self, jobs: list[Job]) -> list[Job]:
+        """Fill each job's ranks of its latest attempt, in one query."""
+        if not jobs:
+            return jobs
+        ids = json.dumps([j.id for j in jobs])
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT r.* FROM ranks r JOIN jobs j ON r.job_id = j.id AND r.attempt = j.attempt "
+            "WHERE r.job_id IN (SELECT value FROM json_each(?)) ORDER BY r.job_id, r.rank", (ids,)).fetchall())
+        by_job: dict[str, list[Rank]] = {}
+        for r in rows:
+            by_job.setdefault(r["job_id"], []).append(rank_from_row(r))
+        for job in jobs:
+            job.ranks = by_job.get(job.id, [])
+        return jobs
+
+    async def load_ranks(self, job_id: str, attempt: int) -> list[Rank]:
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank", (job_id, attempt)).fetchall())
+        return [rank_from_row(r) for r in rows]
+
+    async def attempt_tokens(self, job_id: str, attempt: int) -> list[str]:
+        """The marker tokens recorded for an attempt (its processes carry DDPD_ATTEMPT=job:attempt:token)."""
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT token FROM attempts WHERE job_id = ? AND attempt = ?", (job_id, attempt)).fetchall())
+        return [str(r["token"]) for r in rows]
+
+    async def attempt_cgroups(self, job_id: str, attempt: int) -> list[str]:
+        """The cgroups recorded for an attempt (killed whole at recovery, before the marker sweep)."""
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT cgroup FROM attempts WHERE job_id = ? AND attempt = ? AND cgroup IS NOT NULL",
+            (job_id, attempt)).fetchall())
+        return [str(r["cgroup"]) for r in rows]
+
+    async def list_events(self, job_id: str | None, since: int, limit: int) -> list[EventView]:
+        """Up to `limit` recorded events after `since` (seq), oldest first; one job's or all."""
+        sql = "SELECT * FROM events WHERE seq > ?"
+        params: tuple[Any, ...] = (since,)
+        if job_id is not None:
+            sql += " AND job_id = ?"
+            params += (job_id,)
+        rows = await self.db.run(lambda c: c.execute(sql + " ORDER BY seq LIMIT ?", (*params, limit)).fetchall())
+        return [EventView(seq=r["seq"], ts=r["ts"], kind=r["kind"], job_id=r["job_id"], attempt=r["attempt"],
+                          rank=r["rank"], data=msgspec.json.decode(r["data"])) for r in rows]
+
+
+def _upsert(conn: sqlite3.Connection, table: str, key: tuple[str, ...], row: dict[str, Any]) -> None:
+    cols = ", ".join(row)
+    marks = ", ".join(f":{c}" for c in row)
+    updates = ", ".join(f"{c}=excluded.{c}" for c in row if c not in key)
+    conn.execute(f"INSERT INTO {table} ({cols}) VALUES ({marks}) ON CONFLICT({', '.join(key)}) DO UPDATE SET {updates}",
+                 row)
+
+
+def job_row(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id, "seq": job.seq, "name": job.name, "owner_uid": job.owner_uid,
+        "spec": msgspec.json.encode(job.spec).decode(), "state": job.state.value, "attempt": job.attempt,
+        "priority": job.spec.priority, "submitted_at": job.submitted_at, "started_at": job.started_at,
+        "finished_at": job.finished_at, "reason": job.reason,
+        "root_cause": None if job.root_cause is None else msgspec.json.encode(job.root_cause).decode(),
+        "idempotency_key": job.idempotency_key,
+    }
+
+
+def rank_row(job_id: str, rank: Rank) -> dict[str, Any]:
+    return {
+        "job_id": job_id, "attempt": rank.attempt, "rank": rank.rank, "state": rank.state.value, "pid": rank.pid,
+        "pgid": rank.pgid, "step": rank.step, "loss": rank.loss, "exit_code": rank.exit_code,
+        "signal": rank.signal, "checksum": rank.checksum, "log": rank.log, "stack_dump": int(rank.stack_dump),
+    }
+
+
+def _stored_spec(raw: str) -> tuple[JobSpec, str | None]:
+    """The stored spec, or (an empty spec, why) when it no longer passes the spec's bounds (a row
+    written before they existed): recovery must not stop on one old row."""
+    try:
+        return msgspec.json.decode(raw, type=JobSpec), None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return JobSpec(), f"the stored spec no longer passes the spec's bounds: {clip_text(str(exc), 1000)}"
+
+
+def job_from_row(row: Any) -> Job:
+    spec, unreadable = _stored_spec(row["spec"])
+    job = Job(
+        id=row["id"], seq=row["seq"], name=row["name"], owner_uid=row["owner_uid"],
+        spec=spec, state=JobState(row["state"]),
+        submitted_at=row["submitted_at"], attempt=row["attempt"], started_at=row["started_at"],
+        finished_at=row["finished_at"], reason=row["reason"],
+        root_cause=None if row["root_cause"] is None else msgspec.json.decode(row["root_cause"], type=RootCause),
+        idempotency_key=row["idempotency_key"],
+    )
+    if unreadable is not None and not job.state.final:  # never run a spec that is not the one submitted
+        job.state, job.reason = JobState.FAILED, "spec_unreadable"
+        job.root_cause = RootCause(reason="spec_unreadable", attempt=job.attempt, detail=unreadable)
+    if job.state.final:
+        job.finished.set()
+    return job
+
+
+def rank_from_row(row: Any) -> Rank:
+    return Rank(
+        rank=row["rank"], attempt=row["attempt"], state=RankState(row["state"]), pid=row["pid"], pgid=row["pgid"],
+        step=row["step"], loss=row["loss"], exit_code=row["exit_code"], signal=row["signal"],
+        checksum=row["checksum"], log=row["log"], stack_dump=bool(row["stack_dump"]),
+    )

@@ -1,0 +1,149 @@
+"""In-memory job and rank records (what the scheduler and the supervisor hold), and where a job's files live.
+
+No storage here: the journal turns these records into rows and back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+
+from ...protocol import JobSpec, JobState, RankState
+from ...protocol.control import JobView, RankView, RootCause
+from ...protocol.nodes import NodeView
+
+
+@dataclass
+class Rank:
+    rank: int
+    attempt: int
+    state: RankState = RankState.SPAWNED
+    pid: int | None = None
+    pgid: int | None = None
+    step: int = 0
+    loss: float | None = None
+    last_frame: float | None = None  # monotonic time of the last frame of any kind
+    last_step_change: float | None = None
+    spawned_at: float = field(default_factory=time.monotonic)
+    exit_code: int | None = None
+    signal: str | None = None
+    checksum: float | None = None
+    log: str | None = None
+    stack_dump: bool = False
+
+    def view(self, now: float) -> RankView:
+        age = None if self.last_frame is None or self.state is RankState.EXITED else now - self.last_frame
+        return RankView(
+            rank=self.rank,
+            attempt=self.attempt,
+            state=self.state.value,
+            pid=self.pid,
+            pgid=self.pgid,
+            step=self.step,
+            loss=self.loss,
+            heartbeat_age=None if age is None else round(age, 3),
+            exit_code=self.exit_code,
+            signal=self.signal,
+            checksum=self.checksum,
+            log=self.log,
+            stack_dump=self.stack_dump,
+        )
+
+
+class LogCut(NamedTuple):
+    """The last rotation of a live rank log: its count, and the bytes [start, end) of the live log
+    that its ``.1`` now holds (see logindex: a follower goes on from there)."""
+
+    generation: int
+    start: int
+    end: int
+
+
+@dataclass
+class Job:
+    id: str
+    seq: int
+    name: str
+    owner_uid: int
+    spec: JobSpec
+    state: JobState
+    submitted_at: float
+    attempt: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    reason: str | None = None
+    root_cause: RootCause | None = None
+    ranks: list[Rank] = field(default_factory=list)
+    store_port: int | None = None
+    finished: anyio.Event = field(default_factory=anyio.Event)
+    cancel_requested: str | None = None  # why, once asked
+    gpus: list[int] = field(default_factory=list)
+    idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
+    nodes: list[NodeView] = field(default_factory=list)  # a multi-node job's nodes, as this daemon knows them
+    waiting_on: list[str] | None = None  # dependencies not yet ended, as last looked at (None: not yet)
+    # each live rank log's last rotation, by path: set by the log keeper's thread just before the
+    # live log is emptied (one dict item assignment), read by the daemon's log readers
+    log_cuts: dict[str, LogCut] = field(default_factory=dict)
+
+    def view(self) -> JobView:
+        now = time.monotonic()
+        return JobView(
+            id=self.id,
+            name=self.name,
+            state=self.state.value,
+            owner_uid=self.owner_uid,
+            submitted_at=self.submitted_at,
+            spec=self.spec,
+            attempt=self.attempt,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            reason=self.reason,
+            root_cause=self.root_cause,
+            ranks=[r.view(now) for r in self.ranks],
+            store_port=self.store_port,
+            nodes=list(self.nodes),
+            waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
+            if self.state is JobState.QUEUED and self.spec.after else None,
+        )
+
+
+def job_dir(state_dir: Path, job_id: str) -> Path:
+    """Where jobs kept their files before the per-user tree (rows recovered from older daemons)."""
+    return state_dir / "jobs" / job_id
+
+
+def user_job_dir(state_dir: Path, uid: int, job_id: str) -> Path:
+    """`<state_dir>/users/<uid>/jobs/<job>`: the job's files, its owner's (see usertree)."""
+    return state_dir / "users" / str(uid) / "jobs" / job_id
+
+
+def user_attempt_dir(state_dir: Path, uid: int, job_id: str, attempt: int) -> Path:
+    return user_job_dir(state_dir, uid, job_id) / f"attempt-{attempt}"
+
+
+def attempt_dir(state_dir: Path, job_id: str, attempt: int) -> Path:
+    return job_dir(state_dir, job_id) / f"attempt-{attempt}"
+
+
+def rank_log(state_dir: Path, job_id: str, attempt: int, rank: int) -> Path:
+    """Where a rank's stdout and stderr went before the per-user tree."""
+    return attempt_dir(state_dir, job_id, attempt) / f"rank-{rank}.log"
+
+
+def rank_log_name(rank: int) -> str:
+    """A rank's stdout (before the split of its streams, its stdout and stderr together)."""
+    return f"rank-{rank}.log"
+
+
+def rank_err_name(rank: int) -> str:
+    """A rank's stderr: faulthandler's stack dumps and tracebacks go there."""
+    return f"rank-{rank}.err"
+
+
+def stderr_log(log: str) -> str:
+    """The stderr file beside the rank log `log` (``rank-<r>.log`` -> ``rank-<r>.err``)."""
+    return log.removesuffix(".log") + ".err"
