@@ -68,7 +68,7 @@ def test_the_daemons_variables_win_over_the_jobs() -> None:
     spec = JobSpec(nproc=2, env={"DDPD_ATTEMPT": "mine", "CUDA_VISIBLE_DEVICES": "0,1", "RANK": "7",
                                  "DDPD_OTHER": "x", "MY_VAR": "kept", "OMP_NUM_THREADS": "3"})
     job = Job(id="j1", seq=1, name="", owner_uid=0, spec=spec, state=JobState.STARTING, submitted_at=0.0)
-    rdzv = Rendezvous(host="127.0.0.1", port=29500, store=None)
+    rdzv = Rendezvous(host="127.0.0.1", port=29500)
     env = rank_env({"PATH": "/bin"}, job, 1, 1, rdzv, "j1:1:tok", Path("/tmp/err.json"))
     assert env["DDPD_ATTEMPT"] == "j1:1:tok"
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU job sees no GPU

@@ -114,6 +114,9 @@ class Assign(_W, tag="assign"):
     log_path: str = ""  # "": keep stdout/stderr (cold spawn); else append stdout to this file (warm pool)
     err_path: str = ""  # warm pool: append stderr to this file ("": to `log_path` too)
     unset: list[str] = msgspec.field(default_factory=list)  # warm pool: variables the job's environment lacks
+    # the store's host (local rank 0 where the daemon bound the attempt's port): the listening socket
+    # comes with this frame (SCM_RIGHTS); the rank serves the attempt's TCPStore on it before its work
+    serve_store: bool = False
 
 
 class Stop(_W, tag="stop"):
@@ -132,4 +135,9 @@ class AskStacks(_W, tag="ask_stacks"):
     request: RequestNumber
 
 
-DaemonMessage = Assign | Stop | DumpStacks | AskStacks
+class Release(_W, tag="release"):
+    """The store's host may leave: every other local rank has exited (until then it keeps serving
+    the attempt's store after its own result, as torchrun's agent keeps its store)."""
+
+
+DaemonMessage = Assign | Stop | DumpStacks | AskStacks | Release

@@ -22,13 +22,14 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ddpd.protocol.channel import AskStacks, Assign, DumpStacks, Failure, Heartbeat, Hello, Result, Stop
+from ddpd.protocol.channel import AskStacks, Assign, DumpStacks, Failure, Heartbeat, Hello, Release, Result, Stop
 from ddpd.protocol.framing import PROTOCOL_VERSION
 from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
 from .runtime import Channel, Runtime
 from .stacks import current_stacks, dump_flight_recorder
+from .storehost import hold_store, serve_store
 from .tracebacks import user_traceback
 
 PR_SET_PDEATHSIG = 1
@@ -84,6 +85,8 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
                     dump_hang_evidence()
                 case AskStacks(request=request):
                     runtime.send(current_stacks(request))
+                case Release():
+                    runtime.released.set()
     except Exception as exc:  # OSError, or a bug: either way nobody listens to the daemon any more
         why = f"channel error: {exc!r}"
     runtime.channel.daemon_gone(why)
@@ -237,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     assign = assignments.get()
     try:
         apply_assignment(assign)
+        if assign.serve_store:
+            serve_store(runtime, assign)
     except BaseException as exc:
         fail(runtime, exc, 1)
     threading.Thread(target=send_heartbeats, args=(runtime, assign.heartbeat_interval),
@@ -253,4 +258,5 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         fail(runtime, exc, 1)
     runtime.phase = "done"
     runtime.send(result)
+    hold_store(runtime, assign)
     finish(runtime, 0)

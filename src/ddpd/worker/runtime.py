@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from ddpd.protocol.worker import EXIT_DAEMON_GONE
 # heartbeats carry the step counter too, and the daemon fails a rank that floods its channel)
 PROGRESS_RATE = 100.0
 PROGRESS_BURST = 200.0
+MAX_PASSED_FDS = 4  # descriptors one read from the daemon may carry (it passes one: the store's socket)
 
 
 class Channel:
@@ -28,6 +30,7 @@ class Channel:
         self._sock = sock
         self._lock = threading.Lock()
         self._daemon_pgid = daemon_pgid
+        self.fds: list[int] = []  # descriptors the daemon passed with its frames (SCM_RIGHTS), oldest first
 
     def send(self, message: WorkerMessage) -> None:
         data = encode(message)
@@ -42,7 +45,7 @@ class Channel:
         splitter = LineSplitter()
         decoder: Decoder[DaemonMessage] = Decoder(DaemonMessage)
         while True:
-            data = self._sock.recv(65536)
+            data = self._receive()
             if not data:
                 return
             try:
@@ -55,6 +58,16 @@ class Channel:
                     yield decoder.decode_frame(line)
                 except FrameError as exc:
                     _bad_frame(exc)
+
+    def _receive(self) -> bytes:
+        """The next bytes from the daemon, keeping any descriptors that came with them in `fds`."""
+        data, ancillary, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(4 * MAX_PASSED_FDS))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                passed = array.array("i")
+                passed.frombytes(payload[: len(payload) - len(payload) % passed.itemsize])
+                self.fds.extend(passed)
+        return data
 
     def daemon_gone(self, why: str) -> NoReturn:
         """The daemon is gone: kill this worker's process group (its peers and children too).
@@ -92,6 +105,7 @@ class Runtime:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.stop_requested = threading.Event()
+        self.released = threading.Event()  # the store's host may leave (the daemon's Release)
         self.step = 0
         self.loss: float | None = None
         self.phase = "starting"

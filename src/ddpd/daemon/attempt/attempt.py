@@ -32,7 +32,7 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from ...protocol import FrameError, JobState, RankState
-from ...protocol.channel import Hello, Stop
+from ...protocol.channel import Hello, Release, Stop
 from ...protocol.control import RootCause, StacksResult
 from ...protocol.limits import clip_text
 from ...protocol.worker import attempt_marker, marker_entry
@@ -55,7 +55,7 @@ from .gang import RankGang
 from .launch import Launcher
 from .outcome import Outcome, bounded
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
-from .rendezvous import RendezvousError, open_rendezvous
+from .rendezvous import Rendezvous, RendezvousError, hand_over, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
 from .stacks import collect, find_py_spy
 from .teardown import escalate
@@ -167,7 +167,7 @@ class Attempt:
             if self.nodes is not None:
                 rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc)
             else:
-                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, job.spec.nproc)
+                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range)
         except RendezvousError as exc:
             return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
         job.store_port = rdzv.port
@@ -185,6 +185,7 @@ class Attempt:
                 try:
                     await self._launch(tg, launcher)
                     tg.start_soon(self._timers)
+                    tg.start_soon(self._release_store_host, rdzv)
                     if self.nodes is not None:
                         tg.start_soon(watch_nodes, self.nodes, self)
                     await self._concluded.wait()
@@ -326,7 +327,15 @@ class Attempt:
                                       worker_pid=hello.pid, protocol=hello.version, torch=hello.torch,
                                       pooled=h.pooled)
         assert self._launcher is not None
-        await h.channel.send(self._launcher.assignment(h, self.gang.pgid or 0))
+        await hand_over(self._launcher.rdzv, h.channel, self._launcher.assignment(h, self.gang.pgid or 0))
+
+    async def _release_store_host(self, rdzv: Rendezvous) -> None:
+        """Local rank 0 serves the store after its own result until every other local rank has exited."""
+        if not rdzv.hosted or not self.handles or len(self.handles) != self.job.spec.nproc:
+            return
+        for h in self.handles[1:]:
+            await h.exited.wait()
+        await self.handles[0].channel.send(Release())
 
     async def check_pgid(self, h: RankHandle) -> None:
         """A pooled rank moved itself into the attempt's group: verify it (the daemon cannot, after exec)."""

@@ -228,4 +228,5 @@ class Launcher:
             checkpoint_dir=str(self.checkpoint_dir),
             pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "", unset=unset,
             err_path=stderr_log(rank.log or "") if h.pooled and rank.log else "",
+            serve_store=self.rdzv.hosted and local == 0,
         )

@@ -1,15 +1,21 @@
-"""The attempt's rendezvous: the daemon binds the port itself, then hosts a TCPStore on it."""
+"""The attempt's rendezvous port: the daemon binds it, a process of the job's user serves the store.
+
+The daemon binds and listens on the port itself (configured range or ephemeral), so a taken port is
+a clear error or the next port, never a freeze. It never hosts the store: the listening socket goes
+to the store's host, local rank 0 of the attempt, with its assignment (SCM_RIGHTS on the rank's
+channel, `hand_over`), and the daemon closes its own copy. Rank 0 serves
+``TCPStore(is_master=True, master_listen_fd=..., wait_for_workers=False)`` on it, as the job's user
+and inside the attempt's cgroup; nothing any user sends to the port reaches the root daemon.
+"""
 
 from __future__ import annotations
 
 import errno
-import os
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
 
-import anyio.to_thread
+from ...protocol.channel import Assign
+from ..pool.channel import WorkerChannel
 
 
 class RendezvousError(RuntimeError):
@@ -55,35 +61,32 @@ def bind_port(host: str, port_range: tuple[int, int] | None) -> socket.socket:
 
 @dataclass
 class Rendezvous:
+    """The attempt's store address; `listener` is the bound socket until rank 0 takes it (None on a
+    node whose ranks connect to another node's store)."""
+
     host: str
     port: int
-    store: Any  # torch.distributed.TCPStore; it owns the listening socket
+    listener: socket.socket | None = None
+    hosted: bool = False  # a local rank serves the store (this daemon bound its port)
 
     def close(self) -> None:
-        self.store = None  # the server stops and closes its socket when its last reference goes
+        """Close the daemon's copy of the listening socket (the store's host keeps its own)."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
 
-async def open_rendezvous(host: str, port_range: tuple[int, int] | None, world_size: int) -> Rendezvous:
+async def open_rendezvous(host: str, port_range: tuple[int, int] | None) -> Rendezvous:
     sock = bind_port(host, port_range)
-    port = int(sock.getsockname()[1])
-    fd = sock.detach()  # the store takes the descriptor over and closes it itself
+    return Rendezvous(host=host, port=int(sock.getsockname()[1]), listener=sock, hosted=True)
 
-    def make_store() -> Any:
-        import torch.distributed as dist
 
-        return dist.TCPStore(
-            host,
-            port,
-            world_size=world_size,
-            is_master=True,
-            timeout=timedelta(seconds=30),
-            wait_for_workers=False,
-            master_listen_fd=fd,
-        )
-
+async def hand_over(rdzv: Rendezvous, channel: WorkerChannel, assign: Assign) -> bool:
+    """Send `assign`, with the listening socket when it makes the rank the store's host; the
+    daemon's copy is closed once sent. False when the worker is gone."""
+    if not assign.serve_store or rdzv.listener is None:
+        return await channel.send(assign)
     try:
-        store = await anyio.to_thread.run_sync(make_store)
-    except BaseException:
-        os.close(fd)
-        raise
-    return Rendezvous(host=host, port=port, store=store)
+        return await channel.send(assign, fds=(rdzv.listener.fileno(),))
+    finally:
+        rdzv.close()

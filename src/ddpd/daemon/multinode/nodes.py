@@ -166,7 +166,7 @@ class NodeSession:
         self.layout = NodeLayout(node, nnodes, offset, world, self.spec.rdzv_id,
                                  number - 1 - self.membership_changes)
         if node == 0:
-            rdzv = await open_rendezvous(self.address, self.port_range, world)
+            rdzv = await open_rendezvous(self.address, self.port_range)
             await self._call(store.set, MASTER_KEY, f"{rdzv.host}:{rdzv.port}", timeout=self.keep_alive)
         else:
             def master() -> str:
@@ -180,7 +180,7 @@ class NodeSession:
             host, _, port = value.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 255:
                 raise NodeError(f"node 0 published a bad worker store address: {value[:300]!r}")
-            rdzv = Rendezvous(host=host, port=int(port), store=None)
+            rdzv = Rendezvous(host=host, port=int(port))
         self.watch_state = None
         self._view()
         log.info("nodes.formed", node_rank=node, nnodes=nnodes, offset=offset, world_size=world,

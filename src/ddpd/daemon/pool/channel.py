@@ -5,8 +5,9 @@ Any byte stream a worker sends becomes frames or a FrameError, never another exc
 
 from __future__ import annotations
 
+import array
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 
@@ -42,12 +43,14 @@ class WorkerChannel:
                     raise FrameError("malformed_frame", "frame nested too deeply") from None
                 yield message
 
-    async def send(self, message: DaemonMessage) -> bool:
-        """Send one frame; False when the worker is gone."""
+    async def send(self, message: DaemonMessage, fds: Sequence[int] = ()) -> bool:
+        """Send one frame (`fds` go with its first byte, SCM_RIGHTS); False when the worker is gone."""
         data = memoryview(encode(message))
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
         while data:
             try:
-                sent = self.sock.send(data)
+                sent = self.sock.sendmsg([data], rights) if rights else self.sock.send(data)
+                rights = []
             except BlockingIOError:
                 await anyio.wait_writable(self.sock)
                 continue
