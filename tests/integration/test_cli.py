@@ -13,7 +13,7 @@ import pytest
 from anyio.abc import Process
 
 from ..conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
-from ..scripts.helpers import wait_state
+from ..scripts.helpers import gated, wait_state
 
 pytestmark = pytest.mark.anyio
 
@@ -214,3 +214,31 @@ async def test_example_task_runs_from_its_directory(daemon: DaemonProc) -> None:
     assert all(r.loss is not None and r.loss < 1.0 for r in view.ranks)
     assert view.ranks[0].checksum == view.ranks[1].checksum
     assert_nothing_left([view])
+
+
+async def test_short_ids_name_one_job_and_cancel_takes_several(short_tmp: Path) -> None:
+    """Bug: after `rm j1`, `status j1` showed j10 and a second `rm j1` removed j10, printing "removed j1".
+    `j<N>` names job N or nothing; rm, cancel and resubmit print the full id they acted on."""
+    async with running_daemon(short_tmp, "--cpu-slots", "1") as d:
+        blocker = await d.client.submit(gated(d, short_tmp / "gate", name="blocker"))
+        queued = [await d.client.submit(d.spec(task="two-layer", steps=1, name=f"q{i}")) for i in range(2, 12)]
+        assert blocker.startswith("j1-") and queued[8].startswith("j10-")
+        done = await ddpctl(d, "cancel", "--name", "q2", "--name", "q3", "--state", "queued")
+        assert done.returncode == 0 and err(done).splitlines() == [f"cancelled {j} (was QUEUED)" for j in queued[:2]]
+        done = await ddpctl(d, "cancel", queued[2], "j5", "j99")  # one unknown: the others are cancelled
+        assert done.returncode == 1 and f"cancelled {queued[3]}" in err(done) and "no job 'j99'" in err(done)
+        done = await ddpctl(d, "cancel", "--mine", "--state", "QUEUED")
+        assert done.returncode == 0 and len(err(done).splitlines()) == 6, err(done)
+        done = await ddpctl(d, "cancel", "--force", "j1")
+        assert done.returncode == 0 and err(done).startswith(f"killing {blocker}"), err(done)
+        await d.client.wait(blocker)
+        done = await ddpctl(d, "rm", "j1")
+        assert done.returncode == 0 and err(done).strip() == f"removed {blocker}", err(done)
+        for args in (("status", "j1"), ("rm", "j1")):
+            done = await ddpctl(d, *args)
+            assert done.returncode == 1 and "no job 'j1'" in err(done), (args, err(done))
+        done = await ddpctl(d, "resubmit", "j10")
+        assert done.returncode == 0 and f"resubmitted {queued[8]} as {out(done).strip()}" in err(done)
+        await ddpctl(d, "cancel", out(done).strip())
+        views = await d.client.list_jobs()
+        assert queued[8] in {v.id for v in views} and all(v.state.final for v in views)

@@ -114,11 +114,9 @@ async def test_job_files_after_resubmit_prefixes_and_completion(short_tmp: Path)
         b = await submitted(d, "--steps", "1", "--name", "b", "--after", "j1")  # `j1`: job number 1
         c = await submitted(d, "--name", "c", "--after", b)
         assert (await d.client.status(b)).spec.after == [a]
-        done = await ddpctl(d, "cancel", c[:4])  # a unique prefix (j3-x)
-        assert done.returncode == 0, err(done)
 
-        # the same job as flags and as a job file (every key), both after the cancelled job: they
-        # fail at once, without running, and their stored specs are the same
+        # the same job as flags and as a job file (every key), both after c, cancelled below: they
+        # fail then, without running, and their stored specs are the same
         job_file = short_tmp / "job.toml"
         job_file.write_text(FILE.format(after=f'after = ["{c.split("-")[0]}"]'))
         by_flags = await submitted(d, *FLAGS, "--after", c, "--idempotency-key", "flags")
@@ -129,6 +127,10 @@ async def test_job_files_after_resubmit_prefixes_and_completion(short_tmp: Path)
         module_by_file = await submitted(d, "-f", str(module_file))
         # flags win over the file: a scalar, and a list option (replaced, not merged)
         overridden = await submitted(d, "-f", str(job_file), "--steps", "9", "--env", "A=flag")
+        done = await ddpctl(d, "cancel", c[:4])  # a prefix with its dash (j3-x)
+        assert done.returncode == 0 and err(done).startswith(f"cancelled {c}"), err(done)
+        done = await ddpctl(d, "submit", "--after", c[:4])  # refused now: it could never start
+        assert done.returncode == 2 and f"after[0]: job {c} already ended CANCELLED" in err(done), err(done)
 
         done = await ddpctl(d, "wait", by_file)
         assert done.returncode == 1 and f"FAILED: dependency {c} CANCELLED" in err(done), err(done)
@@ -167,8 +169,8 @@ async def test_job_files_after_resubmit_prefixes_and_completion(short_tmp: Path)
         for args in (("status", "j1"), ("logs", "j1")):
             done = await ddpctl(d, *args)
             assert done.returncode == 0, (args, err(done))
-        done = await ddpctl(d, "status", "j")
-        assert done.returncode == 1 and "ambiguous" in err(done) and a in err(done) and b in err(done), err(done)
+        done = await ddpctl(d, "status", "j")  # a prefix without its dash names no job
+        assert done.returncode == 1 and "no job 'j'" in err(done), err(done)
         done = await ddpctl(d, "submit", "--after", "j99")
         assert done.returncode == 2 and "after[0]: no job 'j99'" in err(done), err(done)
 

@@ -61,25 +61,26 @@ async def test_ids_resolve_whole_by_number_or_by_unique_prefix(table: JobTable) 
     assert (await resolve(table, "j10")).id == "j10-ab10"
     assert (await resolve(table, "j10-a")).id == "j10-ab10"
     assert (await resolve(table, "j2-")).id == "j2-ab02"
+    await add(table, "j2-ab03", 3)  # not an id the daemon makes: two ids after one dash
     with pytest.raises(AmbiguousJobError) as info:
-        await resolve(table, "j")
+        await resolve(table, "j2-ab")
     assert info.value.code == ErrorCode.AMBIGUOUS
-    assert info.value.candidates == ["j1-ab01", "j2-ab02", "j10-ab10", "j11-ab11"]
-    for text in ("j3", "j12-", "x", "j1-ab01x", "j1%", "j\udc80", "j1\x00", "j1-ab01\n"):
+    assert info.value.candidates == ["j2-ab02", "j2-ab03"] and "j2-ab02, j2-ab03" in info.value.message
+    for text in ("j", "j3", "j12-", "x", "ab01", "j1-ab01x", "j1%", "j\udc80", "j1\x00", "j1-ab01\n"):
         with pytest.raises(UnknownJobError):
             await resolve(table, text)
     await table.journal.delete_job("j1-ab01")
     table.forget(table.jobs["j1-ab01"], deleted=True)
-    with pytest.raises(AmbiguousJobError) as info:  # no job 1 now: "j1" is a prefix of j10 and j11
-        await resolve(table, "j1")
-    assert info.value.candidates == ["j10-ab10", "j11-ab11"] and "j10-ab10, j11-ab11" in info.value.message
+    for text in ("j1", "j01", "j1-"):  # no job 1 now: never j10 or j11, never "ambiguous"
+        with pytest.raises(UnknownJobError):
+            await resolve(table, text)
 
 
 async def test_an_ambiguous_prefix_lists_a_bounded_number_of_candidates(table: JobTable) -> None:
     for seq in range(1, MAX_CANDIDATES + 5):
-        await add(table, f"j{seq}-cafe", seq)
+        await add(table, f"j1-cafe{seq}", seq)
     with pytest.raises(AmbiguousJobError) as info:
-        await resolve(table, "j")
+        await resolve(table, "j1-ca")
     assert len(info.value.candidates) == MAX_CANDIDATES and info.value.message.endswith(", ...); give more of the id")
 
 
@@ -90,5 +91,15 @@ async def test_dependencies_are_stored_as_full_ids_once(table: JobTable) -> None
     assert spec.after == ["j1-aaaa", "j2-bbbb"]
     with pytest.raises(SpecError, match=r"after\[1\]: no job 'j7'"):
         await resolve_after(JobSpec(after=["j1", "j7"]), table)
-    with pytest.raises(SpecError, match=r"after\[0\]: 'j' is the start of more than one job id"):
+    with pytest.raises(SpecError, match=r"after\[0\]: no job 'j'"):
         await resolve_after(JobSpec(after=["j"]), table)
+
+
+async def test_a_dependency_that_already_failed_is_refused_naming_its_state(table: JobTable) -> None:
+    """Bug: `--after` a failed job was accepted, then failed at once ("queued for 1.6s")."""
+    done = await add(table, "j1-aaaa", 1)
+    done.state = JobState.FAILED
+    with pytest.raises(SpecError, match=r"after\[0\]: job j1-aaaa already ended FAILED"):
+        await resolve_after(JobSpec(after=["j1"]), table)
+    done.state = JobState.SUCCEEDED
+    assert (await resolve_after(JobSpec(after=["j1"]), table)).after == ["j1-aaaa"]

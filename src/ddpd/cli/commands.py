@@ -15,13 +15,14 @@ from typing import Any
 
 import click
 
-from ddpd.client import Client, JobState, JobView
+from ddpd.client import Client, JobState, JobView, RemoteError
 
 from . import render
 from .completion import complete_job_ids
-from .group import cli, client_for, exit_for, output_option, report_final, socket_option
+from .group import EXIT_FAILED, cli, client_for, exit_for, output_option, report_final, socket_option
 from .jobfile import job_defaults, read_job_file
-from .output import LogWriter, note, print_json, stdout
+from .output import LogWriter, error, note, print_json, stdout
+from .select import Selection
 from .specs import spec_from_options, spec_options
 
 _JOB_SCRIPT = "ddpd.job_file_script"
@@ -88,6 +89,7 @@ def resubmit(job_id: str, idempotency_key: str | None, socket_path: Path | None)
     """Submit JOB's spec again (its environment and interpreter as then) and print the new job's id."""
     result = client_for(socket_path).resubmit(job_id, idempotency_key=idempotency_key)
     click.echo(result.job_id)
+    note(f"resubmitted {result.of or job_id} as {result.job_id}")
     if result.existing:
         note(f"job {result.job_id} was already submitted with this idempotency key")
 
@@ -141,16 +143,56 @@ def list_jobs(active: bool, limit: int, before: int | None, output: str, socket_
 
 
 @cli.command()
-@click.argument("job_id", metavar="JOB")
+@click.argument("job_ids", metavar="[JOB]...", nargs=-1)
 @click.option("--force", is_flag=True, help="Kill at once (SIGKILL) instead of a graceful stop.")
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              type=click.Choice([s.value for s in JobState if not s.final], case_sensitive=False),
+              help="Only jobs in this state (repeatable): QUEUED, RUNNING, ...")
+@click.option("--mine", is_flag=True, help="Only my jobs (those submitted by my uid).")
+@click.option("--name", "names", multiple=True, metavar="NAME", help="Only jobs of this name (repeatable).")
 @output_option
 @socket_option
-def cancel(job_id: str, force: bool, output: str, socket_path: Path | None) -> None:
-    """Cancel JOB: a queued job ends at once; a running one is stopped (or, with --force, killed)."""
-    result = client_for(socket_path).cancel(job_id, force=force)
+def cancel(job_ids: tuple[str, ...], force: bool, states: tuple[str, ...], mine: bool, names: tuple[str, ...],
+           output: str, socket_path: Path | None) -> None:
+    """Cancel JOBs, or every job not yet ended that --state, --mine and --name select.
+
+    A queued job ends at once; a running one is stopped (or, with --force, killed). With several
+    jobs, each is cancelled in turn and the exit code is 1 if any could not be.
+    """
+    chosen = Selection(states={s.upper() for s in states}, mine=mine, names=set(names))
+    if not job_ids and not chosen.any():
+        raise click.UsageError("give the JOBs to cancel, or select them with --state, --mine or --name")
+    client = client_for(socket_path)
+    targets = list(job_ids) if job_ids else _selected(client, chosen)
+    if not targets:
+        note("no job matches: nothing cancelled")
+    failed = False
+    for job_id in targets:
+        if job_ids and chosen.any() and not chosen.takes(client.status(job_id)):
+            continue
+        failed |= not _cancel_one(client, job_id, force, output, single=len(job_ids) == 1)
+    if failed:
+        sys.exit(EXIT_FAILED)
+
+
+def _selected(client: Client, chosen: Selection) -> list[str]:
+    with client.iter_jobs(all=False) as views:
+        return [v.id for v in views if chosen.takes(v)]
+
+
+def _cancel_one(client: Client, job_id: str, force: bool, output: str, single: bool) -> bool:
+    """Cancel one job, its line on stderr; an error reply ends a lone cancel (raised), else is noted."""
+    try:
+        result = client.cancel(job_id, force=force)
+    except RemoteError as exc:
+        if single:
+            raise
+        error(f"{job_id}: {exc.code}: {exc.message}")
+        return False
     if output == "json":
         print_json(result)
     note(render.cancel_line(result))
+    return True
 
 
 @cli.command("rm")
@@ -158,8 +200,7 @@ def cancel(job_id: str, force: bool, output: str, socket_path: Path | None) -> N
 @socket_option
 def remove(job_id: str, socket_path: Path | None) -> None:
     """Forget an ended JOB: its record, events, logs and checkpoints."""
-    client_for(socket_path).remove(job_id)
-    note(f"removed {job_id}")
+    note(f"removed {client_for(socket_path).remove(job_id)}")
 
 
 from . import admin, observe  # noqa: E402  (their commands join the group)

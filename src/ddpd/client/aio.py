@@ -40,6 +40,7 @@ from ddpd.protocol.control import (
     Ping,
     Reload,
     Remove,
+    RemoveResult,
     Reply,
     Request,
     Resubmit,
@@ -292,9 +293,11 @@ class AsyncClient:
         result = await self._call(lambda i: Cancel(id=i, job_id=job_id, force=force))
         return cancel_result(result, force)
 
-    async def remove(self, job_id: str) -> None:
-        """Forget an ended job: its record, events, logs and checkpoints."""
-        await self._call(lambda i: Remove(id=i, job_id=job_id))
+    async def remove(self, job_id: str) -> str:
+        """Forget an ended job: its record, events, logs and checkpoints. The full id of the job removed
+        (`job_id` as given from a daemon that does not say)."""
+        result = await self._call(lambda i: Remove(id=i, job_id=job_id))
+        return job_id if result is None else convert(result, RemoveResult).job_id
 
     async def wait(self, job_id: str) -> JobView:
         """Block until the job is final and return its view (wrap in `anyio.fail_after` to bound it)."""

@@ -223,8 +223,8 @@ class Client:
     def cancel(self, job_id: str, force: bool = False) -> CancelResult:
         return _once(lambda: self.aio.cancel(job_id, force))
 
-    def remove(self, job_id: str) -> None:
-        _once(lambda: self.aio.remove(job_id))
+    def remove(self, job_id: str) -> str:
+        return _once(lambda: self.aio.remove(job_id))
 
     def wait(self, job_id: str) -> JobView:
         return _once(lambda: self.aio.wait(job_id))

@@ -275,6 +275,13 @@ class JobPage(msgspec.Struct):
     """A page of `list`: `next` is the `before` of the following page, None on the last."""
 
     jobs: list[JobView]
+    of: str | None = None  # a resubmit: the full id of the job whose spec was submitted again
+
+
+class RemoveResult(msgspec.Struct):
+    """What `rm` removed: the full id of the job the request named (perhaps by a prefix)."""
+
+    job_id: str
     next: int | None = None
 
 

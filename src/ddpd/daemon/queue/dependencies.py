@@ -62,7 +62,8 @@ async def states_of(ids: list[str], lookup: Callable[[str], Awaitable[Job | None
 
 async def resolve_after(spec: JobSpec, table: JobTable) -> JobSpec:
     """The spec with its dependencies as full ids, each once; SpecError `after[i]` for an unknown or
-    ambiguous one."""
+    ambiguous one, and for one that already ended otherwise than SUCCEEDED (the job could never run:
+    refused here rather than accepted and failed at once)."""
     if not spec.after:
         return spec
     resolved: list[str] = []
@@ -71,6 +72,9 @@ async def resolve_after(spec: JobSpec, table: JobTable) -> JobSpec:
             job = await resolve(table, text)
         except DaemonError as exc:
             raise SpecError(f"after[{i}]", exc.message) from None
+        if job.state.final and job.state is not JobState.SUCCEEDED:
+            raise SpecError(f"after[{i}]", f"job {job.id} already ended {job.state.value}; a job after it "
+                                           "could never start")
         if job.id not in resolved:
             resolved.append(job.id)
     return msgspec.structs.replace(spec, after=resolved)

@@ -1,10 +1,13 @@
-"""Job ids as people type them: the whole id, `j12` for job number 12, or any unique prefix.
+"""Job ids as people type them: the whole id, `j12` for job number 12, or a prefix with its dash.
 
 Ids are made `j<seq>-<4 hex digits>` (`j12-ab3c`). `resolve` is the one place a job id a client
-sent becomes a job, for every request that names one (and for `--after`): the exact id first;
-then `j<digits>` as the job of that number (so `j1` is j1-..., not j10-... too); then any prefix
-that only one job's id has. A prefix that several ids have is an error listing some of them
-(at most MAX_CANDIDATES), never a guess.
+sent becomes a job, for every request that names one (and for `--after`):
+- the exact id;
+- `j<digits>` names the job of that number and nothing else: `j3` is j3-..., never j30-...; once
+  j3 is removed, `j3` is "no job" (never a longer number, never "ambiguous");
+- text holding the dash (`j12-a`) matches the ids that start with it; several is an error listing
+  some of them (at most MAX_CANDIDATES), never a guess.
+Anything else names no job.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ class AmbiguousJobError(DaemonError):
         self.candidates = candidates
 
 
+def prefix_of(text: str) -> str | None:
+    """The id prefix `text` stands for: `j<N>-` for a job number, the text itself when it holds the
+    dash, else None (it names no job unless it is a whole id)."""
+    number = _NUMBER.fullmatch(text)
+    if number is not None:
+        return f"j{int(number.group(1))}-"
+    return text if "-" in text else None
+
+
 async def resolve(table: JobTable, text: str) -> Job:
     """The job `text` names; UnknownJobError or AmbiguousJobError (codes not_found, ambiguous)."""
     if not _ID_TEXT.fullmatch(text):
@@ -41,12 +53,8 @@ async def resolve(table: JobTable, text: str) -> Job:
     job = await table.lookup(text)
     if job is not None:
         return job
-    number = _NUMBER.fullmatch(text)
-    if number is not None:
-        ids = await table.journal.ids_with_prefix(f"j{int(number.group(1))}-", 2)
-        if len(ids) == 1 and (job := await table.lookup(ids[0])) is not None:
-            return job
-    ids = await table.journal.ids_with_prefix(text, MAX_CANDIDATES + 1)
+    prefix = prefix_of(text)
+    ids = [] if prefix is None else await table.journal.ids_with_prefix(prefix, MAX_CANDIDATES + 1)
     if len(ids) == 1 and (job := await table.lookup(ids[0])) is not None:
         return job
     if len(ids) > 1:
