@@ -27,7 +27,9 @@ async def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 async def test_gpu_gauges_show_memory_utilisation_and_the_holding_job(short_tmp: Path, gpu_watch: GpuWatch) -> None:
     nvml = gpus.nvml_discover()
-    async with running_daemon(short_tmp, "--metrics-listen", "127.0.0.1:0") as d:
+    config = short_tmp / "ddpd.toml"
+    config.write_text("metrics_public = true\n")
+    async with running_daemon(short_tmp, "--config", str(config), "--metrics-listen", "127.0.0.1:0") as d:
         port = next(e for e in d.logs if e.get("event") == "metrics.listening")["port"]
         job_id = await d.client.submit(d.spec(task="tests.tasks:slow", nproc=1, steps=100_000, device="cuda",
                                               options={"step_sleep": 0.01}))

@@ -24,6 +24,7 @@ from .config import Config, ConfigError, load_config, parse_listen
 from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
 from .contain.procs import set_child_subreaper
 from .contain.usertree import ensure_base
+from .control.door import accept_forever
 from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
 from .gpu.gpus import discover_async
@@ -43,7 +44,7 @@ log = structlog.get_logger("ddpd")
 _ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
+                 "metrics_token", "metrics_public", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
 
 
 async def _count_gpus() -> int:
@@ -187,7 +188,7 @@ class Daemon:
                 tg.start_soon(curves.run)
                 await tg.start(pool.run)
                 tg.start_soon(scheduler.run, tg)
-                tg.start_soon(listener.serve, server.handle)
+                tg.start_soon(accept_forever, listener, server.handle, "control")
                 tg.start_soon(self.notifier.watchdog)
                 if metrics is not None and metrics_listener is not None:
                     tg.start_soon(metrics.consume, bus)

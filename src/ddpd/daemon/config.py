@@ -66,6 +66,7 @@ class Config:
     metrics_listen: str | None = None  # "HOST:PORT" of the Prometheus endpoint; None: off
     metrics_token: str | None = None  # bearer token the endpoint requires (mandatory off loopback)
     metrics_token_file: Path | None = None  # a 0600 file holding the token instead
+    metrics_public: bool = False  # serve the endpoint without a token (every local user sees every job)
     # limits (issue: nothing a client or a job sends is unbounded)
     max_queued: int = 10_000  # jobs waiting in the queue, all users together
     max_queued_per_user: int = 1_000
@@ -74,6 +75,7 @@ class Config:
     max_kill_grace: float = 60.0  # a job's kill_grace at most (keep under the unit's TimeoutStopSec)
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
     max_connections: int = 256  # control connections open at once
+    max_connections_per_user: int = 32  # of them one uid may hold (root and the admin group: a reserve too)
     idle_timeout: float = 600.0  # a control connection with no complete request for this long is closed
     frame_timeout: float = 10.0  # a request frame must be complete within this many seconds of its first byte
     rank_frames_per_second: int = 2_000  # frames a rank may send per second (averaged); a flood fails the job
@@ -83,6 +85,7 @@ class Config:
     admin_group: str | None = None  # members see every job's detail, as root does
     cgroup: str = "auto"  # auto: one cgroup per attempt where cgroup v2 is writable; off: process groups only
     interpreter_check_timeout: float = 60.0  # seconds the submit-time `import torch, ddpd.worker` may take
+    interpreter_checks_per_user: int = 2  # of those checks one user may run at once
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
@@ -135,6 +138,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     metrics_token: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | msgspec.UnsetType | None = (
         msgspec.UNSET)
     metrics_token_file: Text | msgspec.UnsetType | None = msgspec.UNSET
+    metrics_public: bool | msgspec.UnsetType = msgspec.UNSET
     max_queued: Count | msgspec.UnsetType = msgspec.UNSET
     max_queued_per_user: Count | msgspec.UnsetType = msgspec.UNSET
     max_gpus_per_user: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | msgspec.UnsetType | None = msgspec.UNSET
@@ -142,6 +146,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     max_kill_grace: Annotated[float, msgspec.Meta(gt=0, le=DAY)] | msgspec.UnsetType = msgspec.UNSET
     retention: Annotated[float, msgspec.Meta(ge=0, le=100 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
+    max_connections_per_user: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     idle_timeout: Timeout | msgspec.UnsetType = msgspec.UNSET
     frame_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     rank_frames_per_second: Count | msgspec.UnsetType = msgspec.UNSET
@@ -151,6 +156,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
         msgspec.UNSET)
     cgroup: Literal["auto", "off"] | msgspec.UnsetType = msgspec.UNSET
     interpreter_check_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
+    interpreter_checks_per_user: Annotated[int, msgspec.Meta(ge=1, le=64)] | msgspec.UnsetType = msgspec.UNSET
     defaults: DefaultsSchema | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -273,6 +279,10 @@ def check_config(cfg: Config) -> None:
         host, _ = parse_listen(cfg.metrics_listen)
         if not is_loopback(host) and not (cfg.metrics_token or cfg.metrics_token_file):
             raise ConfigError(f"metrics_listen {cfg.metrics_listen!r} is not loopback: set metrics_token too")
+        if not (cfg.metrics_token or cfg.metrics_token_file or cfg.metrics_public):
+            raise ConfigError(f"metrics_listen {cfg.metrics_listen!r} has no metrics_token: every local user could "
+                              "read every job's loss, steps and memory; set metrics_token (or metrics_token_file), "
+                              "or metrics_public = true to serve it without one")
     try:
         parse_level(str(cfg.log_level))
     except ValueError as exc:

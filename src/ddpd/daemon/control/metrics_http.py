@@ -1,4 +1,7 @@
-"""The metrics endpoint's HTTP front: GET /metrics, one request per connection, a bearer token when set.
+"""The metrics endpoint's HTTP front: GET /metrics, one request per connection, a bearer token.
+
+The config requires the token unless `metrics_public = true` (then `token` is None and anyone who
+can connect reads every job's loss, steps and memory).
 
 Minimal HTTP/1.0 on an AnyIO listener bound before the daemon reports ready (a taken port is an error
 at start). A request head is bounded (`MAX_REQUEST` bytes) and the whole exchange by `EXCHANGE_TIMEOUT`;
@@ -12,10 +15,12 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 import structlog
-from anyio.abc import SocketAttribute, SocketStream
+from anyio.abc import SocketAttribute, SocketListener, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.stapled import MultiListener
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from .door import accept_forever
 
 log = structlog.get_logger("ddpd")
 
@@ -37,8 +42,11 @@ class MetricsServer:
         return listener
 
     async def serve(self, listener: MultiListener[SocketStream]) -> None:
-        async with listener:
-            await listener.serve(self._handle)
+        """Accept on every address until cancelled; no accept() error ends it (`door.accept_forever`)."""
+        async with listener, anyio.create_task_group() as tg:
+            for sub in listener.listeners:
+                assert isinstance(sub, SocketListener)
+                tg.start_soon(accept_forever, sub, self._handle, "metrics")
 
     async def _handle(self, stream: SocketStream) -> None:
         async with stream:

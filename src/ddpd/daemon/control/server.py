@@ -4,7 +4,9 @@ Nothing a client sends reaches the root task group. A request is bounded before 
 (MAX_REQUEST bytes, nesting depth, every field typed and ranged), read against an idle and a
 partial-frame deadline, and answered with an error of a stable code naming the problem. A bug met
 while serving one connection is logged as `control.internal_error`, answered `internal`, and
-closes that connection only. At most `max_connections` are served at once.
+closes that connection only. At most `max_connections` are served at once, at most
+`max_connections_per_user` of one uid, and the last few are kept for root and the admin group
+(`door`); a `wait` or a followed stream ends when its peer closes.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from ..queue.scheduler import Scheduler
 from ..store.curves import CurveStore, curve_result
 from ..store.errors import DaemonError
 from ..store.records import Job
+from .door import Door, Privilege, is_daemon_user, peer_closed
 from .interpreters import InterpreterChecks
 from .replies import Detail, clip_event, fit_view, job_page, positioned, visible_view
 from .requests import FrameReader, ReadTimeout
@@ -154,7 +157,8 @@ class ControlServer:
         self.info = info
         self.reload = reload
         self.interpreters = InterpreterChecks()
-        self.connections = 0
+        self.door = Door()
+        self.privilege = Privilege()
         self.refused = 0  # connections refused for max_connections since start
         self._refusal_logged = float("-inf")
 
@@ -162,35 +166,48 @@ class ControlServer:
         """Serve one connection; never raises but cancellation."""
         try:
             async with stream:
-                limit = self.scheduler.config.max_connections
-                if self.connections >= limit:
-                    self._refused(limit)
-                    await self._send(stream, Error(id=None, code=ErrorCode.LIMIT_EXCEEDED,
-                                                   message=f"{limit} connections are open (max_connections); "
-                                                           "try again later"), timeout=1.0)
-                    return
-                self.connections += 1
                 try:
-                    await self._serve(stream)
+                    uid = peer_uid(stream)
+                except OSError:
+                    return
+                refusal = await self._admission(uid)
+                if refusal is not None:
+                    self._refused(uid)
+                    await self._send(stream, Error(id=None, code=ErrorCode.LIMIT_EXCEEDED, message=refusal),
+                                     timeout=1.0)
+                    return
+                self.door.enter(uid)
+                try:
+                    await self._serve(stream, uid)
                 finally:
-                    self.connections -= 1
+                    self.door.leave(uid)
         except Exception:  # a bug: this connection ends, the daemon and the others go on
             log.exception("control.internal_error")
 
-    def _refused(self, limit: int) -> None:
+    @property
+    def connections(self) -> int:
+        return self.door.total
+
+    async def _admission(self, uid: int) -> str | None:
+        """Why a connection of `uid` is refused now (see `door.Door`), or None; the admin group is
+        looked up only for a connection that would otherwise be refused."""
+        cfg = self.scheduler.config
+        limits = (cfg.max_connections, cfg.max_connections_per_user)
+        refusal = self.door.refusal(uid, is_daemon_user(uid), *limits)
+        if refusal is None or is_daemon_user(uid) or not await self.privilege.of(uid, cfg.admin_group):
+            return refusal
+        return self.door.refusal(uid, True, *limits)
+
+    def _refused(self, uid: int) -> None:
         """Log refusals at most every REFUSAL_LOG_INTERVAL seconds (a flood must not flood the log)."""
         self.refused += 1
         now = anyio.current_time()
         if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
             self._refusal_logged = now
-            log.warning("control.connections_refused", open=self.connections, max_connections=limit,
-                        refused=self.refused)
+            log.warning("control.connections_refused", open=self.connections, uid=uid, of_uid=self.door.open[uid],
+                        max_connections=self.scheduler.config.max_connections, refused=self.refused)
 
-    async def _serve(self, stream: SocketStream) -> None:
-        try:
-            uid = peer_uid(stream)
-        except OSError:
-            return
+    async def _serve(self, stream: SocketStream, uid: int) -> None:
         reader = FrameReader(stream, MAX_REQUEST)
         while True:
             cfg = self.scheduler.config
@@ -236,9 +253,8 @@ class ControlServer:
                                                   message=clip_text(f"unknown operation {env.op!r}", MESSAGE_LIMIT)))
         try:
             req = _request.decode_frame(line)
-            async for reply in self._dispatch(req, uid):
-                if not await self._send(stream, reply):
-                    return False
+            if not await self._answer(stream, req, uid):
+                return False
         except Exception as exc:
             code = error_code(exc)
             if code is None:
@@ -248,6 +264,35 @@ class ControlServer:
                 return False
             return await self._send(stream, Error(id=rid, code=code, message=clip_text(str(exc), MESSAGE_LIMIT)))
         return True
+
+    async def _answer(self, stream: SocketStream, req: Request, uid: int) -> bool:
+        """Send every reply to `req`; False when the client is gone. A `wait` or a followed stream also
+        ends as soon as its peer closes (it would hold its connection slot until the job ends)."""
+        if not (isinstance(req, Wait) or (isinstance(req, Logs | Events) and req.follow)):
+            async for reply in self._dispatch(req, uid):
+                if not await self._send(stream, reply):
+                    return False
+            return True
+        gone, failure = False, None
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal gone
+                await peer_closed(stream.extra(SocketAttribute.raw_socket))
+                gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async for reply in self._dispatch(req, uid):
+                    if not await self._send(stream, reply):
+                        gone = True
+                        break
+            except Exception as exc:  # raised as itself below, not inside the task group's ExceptionGroup
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return not gone
 
     async def _info_with_gpus(self) -> DaemonInfo:
         """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview)."""
