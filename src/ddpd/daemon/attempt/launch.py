@@ -2,8 +2,9 @@
 
 Each rank's environment is built once (`rank_env`) on a base (`base_env`): the submitter's
 exported environment with HOME, USER, LOGNAME and SHELL from the passwd entry (a job from a
-client that sends `spec.environ`), else the warm pool's base (the daemon's environment less
-systemd's variables). Then the job's ``spec.env``, then the daemon's reserved variables on top
+client that sends `spec.environ`), else the passwd entry's variables and a sane PATH, or for the
+daemon's own user the warm pool's base (the daemon's environment less systemd's variables).
+Then the job's ``spec.env``, then the daemon's reserved variables on top
 (``protocol.worker.RESERVED_ENV``: rank layout, rendezvous, the attempt marker, devices), so a job
 can neither move its rank nor hide from teardown nor see devices it was not given. A cold rank
 runs ``spec.python`` (else the configured worker command or the daemon's interpreter) as the
@@ -33,7 +34,7 @@ from ...protocol.worker import MARKER_ENV, is_reserved_env, worker_args
 from ..config import Config
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup
-from ..contain.identity import Identity, job_environment
+from ..contain.identity import Identity, job_environment, submitted_environment
 from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
 from ..pool.pool import WarmPool, end_cgroup
@@ -96,9 +97,12 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
 
 def base_env(job: Job, identity: Identity) -> dict[str, str]:
     """What a rank's environment starts from: the submitter's exported variables (reserved names
-    dropped) and the passwd identity; the daemon's own (pool_env) for a client that sent none."""
-    if job.spec.environ is None:
+    dropped) and the passwd identity; for a client that sent none, the passwd entry's variables and
+    a sane PATH (`submitted_environment`), or the daemon's own (pool_env) for the daemon's own user."""
+    if job.spec.environ is None and identity.uid == os.geteuid():
         return pool_env()
+    if job.spec.environ is None:  # never the root daemon's own environment: the passwd entry's
+        return {**job_environment(identity, submitted_environment(identity, None), {}, {}), "PYTHONUNBUFFERED": "1"}
     exported = {k: v for k, v in job.spec.environ.items() if not is_reserved_env(k)}
     return job_environment(identity, exported, {}, {})
 

@@ -9,7 +9,10 @@ gid and the supplementary groups (`os.getgrouplist`, what `initgroups` would set
   root cannot switch users, so it gets `{}` and `check_serves` lets only its own uid in.
 - `job_environment` builds a rank's environment from what the submitter exported: HOME, USER,
   LOGNAME and SHELL from the passwd entry, the job's `--env` pairs on top, the daemon's reserved
-  variables last (they always win).
+  variables last (they always win). A submit that exported nothing (`environ` absent: an older
+  client, a raw request) starts from `submitted_environment`: the passwd entry's variables and
+  `SANE_PATH`, never the root daemon's own environment (its HOME, PATH, secrets); only the
+  daemon's own user gets the daemon's environment.
 - `check_interpreter` runs the job's interpreter as the submitter, with the job's environment, to
   prove it can `import torch, ddpd.worker` before the job is accepted.
 
@@ -31,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+SANE_PATH = "/usr/local/bin:/usr/bin:/bin"  # a submit without `environ`: what login(1) gives a user
 RANK_UMASK = 0o077  # what ranks create is the submitter's alone unless they widen it themselves
 INTERPRETER_CHECK = "import torch, ddpd.worker"
 CHECK_OUTPUT_LIMIT = 4096  # bytes of the check's stderr kept for the reason
@@ -140,6 +144,16 @@ def job_environment(
     env.update(extra)
     env.update(reserved)
     return env
+
+
+def submitted_environment(identity: Identity, environ: Mapping[str, str] | None) -> dict[str, str]:
+    """What the submitter exported: `environ`; without it, the passwd entry's variables and SANE_PATH
+    (the daemon's own environment only for the daemon's own user: a per-user daemon, as before)."""
+    if environ is not None:
+        return dict(environ)
+    if identity.uid == os.geteuid():
+        return dict(os.environ)
+    return {**identity.identity_env(), "PATH": SANE_PATH}
 
 
 _MISSING = re.compile(r"No module named '([^']+)'")
