@@ -23,8 +23,10 @@ from ..protocol.control import DaemonInfo
 from .config import Config, ConfigError, load_config, parse_listen
 from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
 from .contain.procs import set_child_subreaper
+from .contain.reaper import reap_forever
 from .contain.usertree import ensure_base
 from .control.door import accept_forever
+from .control.interpreters import sweep as sweep_checks
 from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
 from .gpu.gpus import discover_async
@@ -161,6 +163,8 @@ class Daemon:
         await anyio.to_thread.run_sync(ensure_base, cfg.state_dir)  # root's 0711; users/<uid>/ are the users'
         subtree = await anyio.to_thread.run_sync(containment, cfg)
         set_child_subreaper()
+        if subtree is not None:  # interpreter checks a killed daemon left running
+            await anyio.to_thread.run_sync(sweep_checks, subtree.jobs)
         gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
         bus = EventBus()
         journal = Journal(db, bus)
@@ -184,6 +188,7 @@ class Daemon:
             server = ControlServer(scheduler, self.info, self.reload, curves)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
+                tg.start_soon(reap_forever)  # a subreaper: every inherited zombie is reaped
                 tg.start_soon(self._follow_status, bus)
                 tg.start_soon(curves.run)
                 await tg.start(pool.run)

@@ -22,6 +22,7 @@ gid and the supplementary groups (`os.getgrouplist`, what `initgroups` would set
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
@@ -30,9 +31,11 @@ import selectors
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .reaper import spawned
 
 SANE_PATH = "/usr/local/bin:/usr/bin:/bin"  # a submit without `environ`: what login(1) gives a user
 RANK_UMASK = 0o077  # what ranks create is the submitter's alone unless they widen it themselves
@@ -159,39 +162,54 @@ def submitted_environment(identity: Identity, environ: Mapping[str, str] | None)
 _MISSING = re.compile(r"No module named '([^']+)'")
 
 
+def _start_check(identity: Identity, python: str, env: Mapping[str, str], daemon_uid: int | None,
+                 place: Callable[[int], None] | None) -> subprocess.Popen[bytes]:
+    """The check's process: plain Popen as the user, or (`place`: into a cgroup first) through the gate."""
+    std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
+                           "process_group": 0}
+    if place is None:
+        return spawned(lambda: subprocess.Popen([python, "-c", INTERPRETER_CHECK], env=dict(env), cwd="/", **std,
+                                                **popen_kwargs(identity, daemon_uid)))
+    from .gate import spawn_gated  # the gate imports this module (Identity, RANK_UMASK)
+
+    as_user = identity if popen_kwargs(identity, daemon_uid) else None
+    return spawned(lambda: spawn_gated([python, "-c", INTERPRETER_CHECK], env, "/", as_user, place, **std))
+
+
+def _start_refusal(python: str, who: str, exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT:
+        return f"python {python} does not exist (or a directory on its path is missing)"
+    if isinstance(exc, PermissionError) or exc.errno == errno.EACCES:
+        return (
+            f"python {python} is not executable by {who}: it or a directory on its path (or its symlink's "
+            "target) is closed to that user; use an interpreter the user can run"
+        )
+    return f"python {python} cannot be started as {who}: {exc.strerror or exc}"
+
+
+_GATE_FAILED = re.compile(rb"^ddpd: cannot start .* \[Errno (\d+)\] ([^\n:]*)", re.MULTILINE)
+
+
 def check_interpreter(
-    identity: Identity, python: str, env: Mapping[str, str], timeout: float, daemon_uid: int | None = None
+    identity: Identity, python: str, env: Mapping[str, str], timeout: float, daemon_uid: int | None = None,
+    place: Callable[[int], None] | None = None,
 ) -> str | None:
     """Why `python` cannot run a rank as `identity`, or None when it imports torch and ddpd.worker.
 
     Runs `python -c "import torch, ddpd.worker"` as the user (`popen_kwargs`) with the job's `env`,
     in `/`, stdin from /dev/null, in a process group of its own that is killed afterwards, for at
-    most `timeout` seconds, keeping only the tail of what it writes to stderr. Blocking (a child
-    process and `import torch`, about 2 s): call via anyio.to_thread.
+    most `timeout` seconds, keeping only the tail of what it writes to stderr. With `place` (e.g. a
+    cgroup's `add`), it starts through the gate and is placed before any of the user's code runs;
+    the caller kills that cgroup afterwards (what the check left, even `setsid`, ends with it).
+    Blocking (a child process and `import torch`, about 2 s): call via anyio.to_thread.
     """
     if not os.path.isabs(python):
         return f"python {python!r} must be an absolute path (ddpctl sends sys.executable or --python PATH)"
     who = f"user {identity.name} (uid {identity.uid})"
     try:
-        proc = subprocess.Popen(
-            [python, "-c", INTERPRETER_CHECK],
-            env=dict(env),
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            process_group=0,
-            **popen_kwargs(identity, daemon_uid),
-        )
-    except FileNotFoundError:
-        return f"python {python} does not exist (or a directory on its path is missing)"
-    except PermissionError:
-        return (
-            f"python {python} is not executable by {who}: it or a directory on its path (or its symlink's "
-            "target) is closed to that user; use an interpreter the user can run"
-        )
+        proc = _start_check(identity, python, env, daemon_uid, place)
     except OSError as exc:
-        return f"python {python} cannot be started as {who}: {exc.strerror or exc}"
+        return _start_refusal(python, who, exc)
     try:
         tail, exited = _tail_and_wait(proc, timeout)
     finally:
@@ -206,6 +224,9 @@ def check_interpreter(
         return f"python {python} did not finish `{INTERPRETER_CHECK}` within {timeout:g} s as {who}"
     if returncode == 0:
         return None
+    gate = _GATE_FAILED.search(tail) if place is not None else None
+    if gate is not None:  # the gate could not exec it (as the user)
+        return _start_refusal(python, who, OSError(int(gate.group(1)), gate.group(2).decode(errors="replace")))
     err = tail.decode(errors="replace")
     missing = _MISSING.search(err)
     if missing:

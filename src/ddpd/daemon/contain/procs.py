@@ -16,6 +16,7 @@ import anyio
 
 from .gate import spawn_gated
 from .identity import Identity
+from .reaper import spawned
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -92,13 +93,15 @@ def spawn(
     `identity` (a root daemon starting a user's rank) or a `place` (entering the attempt's cgroup),
     the child starts through the gate (`gate.spawn_gated`): placed, then as the user, then the
     working directory entered as that user, then `argv` exec'd; same pid throughout. Without
-    either, it is started directly, as the daemon. OSError when the start fails.
+    either, it is started directly, as the daemon. OSError when the start fails. The child is
+    registered (`reaper.spawned`): its owner reaps it, the reaper of inherited children never does.
     """
     err = subprocess.STDOUT if err_fd is None else err_fd
     if identity is not None or place is not None:
-        return spawn_gated(argv, env, cwd, identity, place or _stay, stdin=subprocess.DEVNULL, stdout=log_fd,
-                           stderr=err, pass_fds=tuple(pass_fds), process_group=process_group)
-    return subprocess.Popen(
+        return spawned(lambda: spawn_gated(argv, env, cwd, identity, place or _stay, stdin=subprocess.DEVNULL,
+                                           stdout=log_fd, stderr=err, pass_fds=tuple(pass_fds),
+                                           process_group=process_group))
+    return spawned(lambda: subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
         stdout=log_fd,
@@ -108,7 +111,7 @@ def spawn(
         pass_fds=tuple(pass_fds),
         process_group=process_group,
         close_fds=True,
-    )
+    ))
 
 
 async def wait_exit(proc: subprocess.Popen[bytes]) -> Exit:

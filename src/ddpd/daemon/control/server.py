@@ -156,7 +156,7 @@ class ControlServer:
         self.curves = curves
         self.info = info
         self.reload = reload
-        self.interpreters = InterpreterChecks()
+        self.interpreters = InterpreterChecks(scheduler.subtree, lambda: scheduler.config.interpreter_checks_per_user)
         self.door = Door()
         self.privilege = Privilege()
         self.refused = 0  # connections refused for max_connections since start
