@@ -5,10 +5,17 @@ another user's file, or a file on a hung filesystem. Every read here opens with 
 O_NOFOLLOW, accepts a regular file only, reads a bounded amount, and runs in a worker thread of
 its own small limiter with a bounded wait, so one job can neither freeze the loop nor park the
 threads that the database and other clients need.
+
+Paths the daemon builds (a log's directory, a backup beside it) are resolved by `open_dir_safely`
+through directory fds, one component at a time with O_NOFOLLOW: a symlink is followed only where
+nobody but the daemon's user could have planted it (a directory it owns that no group or other
+may write), so a job that swaps a directory of its tree for a symlink into another user's tree is
+refused (`UnsafeDirectory`), never followed.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -25,6 +32,74 @@ class JobFileError(OSError):
     """A job file that cannot be read safely (not a regular file, a symlink, or too slow)."""
 
 
+class UnsafeDirectory(OSError):
+    """A directory path that goes through a symlink someone other than the daemon's user could plant."""
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+MAX_LINKS = 40  # trusted symlinks followed on one path (as the kernel's ELOOP bound)
+
+
+def _trusted(dir_fd: int) -> bool:
+    """Only the daemon's user could have made an entry in this directory."""
+    st = os.fstat(dir_fd)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _step(fd: int, part: str, where: str, links: list[int]) -> int:
+    """The directory `part` within `fd`: never through a symlink an untrusted user could plant."""
+    try:
+        return os.open(part, _DIR | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not _is_link(fd, part):
+            raise
+        if not _trusted(fd) or len(links) >= MAX_LINKS:
+            raise UnsafeDirectory(errno.ELOOP, f"{where} is a symlink in a directory others can write; "
+                                               "not followed") from None
+        links.append(1)
+        target = os.readlink(part, dir_fd=fd)
+        return _walk(fd if not target.startswith("/") else None, target, where, links)
+
+
+def _is_link(fd: int, part: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _walk(start: int | None, path: str, where: str, links: list[int]) -> int:
+    fd = os.open("/" if start is None else ".", _DIR, dir_fd=start)
+    try:
+        for part in (p for p in path.split("/") if p and p != "."):
+            nxt = os.open("..", _DIR, dir_fd=fd) if part == ".." else _step(fd, part, where, links)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_dir_safely(path: str | os.PathLike[str]) -> int:
+    """An fd of the directory `path` (absolute), resolved one component at a time (see the module):
+    UnsafeDirectory when the way goes through a symlink that a user could have planted."""
+    text = os.fspath(path)
+    if not text.startswith("/"):
+        raise ValueError(f"{text!r} is not an absolute path")
+    return _walk(None, text, text, [])
+
+
+def open_in_dir_safely(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
+    """`os.open(path, flags | O_NOFOLLOW)` with its directory resolved by `open_dir_safely`."""
+    p = Path(path)
+    dir_fd = open_dir_safely(p.parent)
+    try:
+        return os.open(p.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def _limit() -> anyio.CapacityLimiter:
     global _limiter
     if _limiter is None:
@@ -35,9 +110,9 @@ def _limit() -> anyio.CapacityLimiter:
 def open_job_file(path: str | Path) -> int:
     """An fd of `path` opened read-only, non-blocking, without following a symlink; regular files only."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_in_dir_safely(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == 40:  # ELOOP: the last component is a symlink
+        if exc.errno == 40 and not isinstance(exc, UnsafeDirectory):  # ELOOP: the last component is a symlink
             raise JobFileError(exc.errno, f"{path} is a symlink; not followed") from None
         raise
     try:

@@ -12,10 +12,13 @@ The live log is hostile ground: a job can replace its path by a FIFO, a symlink 
 `rotate` works on an fd (opened once by the daemon with `open_live_log`, which is O_NOFOLLOW,
 O_NONBLOCK and regular files only; a path is opened the same way) and checks it with fstat, reads
 with pread and truncates with ftruncate, so a swapped path cannot redirect it. The ``.1`` file is
-made in the log's directory (opened O_DIRECTORY|O_NOFOLLOW) by unlinking whatever has its name
+made in the log's directory by unlinking whatever has its name
 and creating it with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink planted there is removed, never followed,
 and a file recreated in between makes the rotation give up (the live log is then not truncated).
-The backup takes the live log's mode (and, for a daemon running as root, its owner).
+The backup takes the live log's mode (and, for a daemon running as root, its owner). That
+directory (and a path's) is resolved through directory fds one component at a time
+(`files.open_dir_safely`): a rank that swaps its job or attempt directory for a symlink into
+another user's tree makes the rotation fail (RotationError), never redirects it there.
 
 `plan` and `line_start` are the pure policy; `rotate` is blocking: `logindex.tick` calls it, every
 quarter second, from the thread of `workspace.keep_logs` (on the job-file limiter of `files`, with a
@@ -30,6 +33,8 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..contain.files import UnsafeDirectory, open_dir_safely, open_in_dir_safely
 
 StrPath = str | os.PathLike[str]
 CHUNK = 1 << 20  # bytes copied per pread/write
@@ -82,9 +87,9 @@ def line_start(head: bytes) -> int:
 def open_live_log(path: StrPath) -> int:
     """An fd of a rank log for rotation: read-write, non-blocking, not through a symlink, regular only."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_in_dir_safely(path, os.O_RDWR | os.O_NONBLOCK)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        if exc.errno == errno.ELOOP and not isinstance(exc, UnsafeDirectory):
             raise RotationError(exc.errno, f"{path} is a symlink; not followed") from None
         raise
     try:
@@ -174,7 +179,10 @@ def _rotate_fd(fd: int, max_bytes: int, backup: Path, name: str,
 
 def _create_backup(backup: Path) -> int:
     """The ``.1`` file, new and empty: whatever had its name (a symlink too) is unlinked first."""
-    dir_fd = os.open(backup.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        dir_fd = open_dir_safely(backup.parent)  # no symlink a job could plant, on the whole way
+    except UnsafeDirectory as exc:
+        raise RotationError(exc.errno, str(exc)) from None
     try:
         try:
             os.unlink(backup.name, dir_fd=dir_fd)
