@@ -103,7 +103,7 @@ async def test_rm_forgets_an_ended_job(door: DaemonProc) -> None:
     running = await door.client.submit(door.spec(task="tests.tasks:slow", steps=10_000))
     reply = await call(door.client, {"op": "rm", "job_id": running})
     assert reply["code"] == "not_runnable", reply
-    assert await result(door.client, {"op": "rm", "job_id": view.id}) is None
+    assert await result(door.client, {"op": "rm", "job_id": view.id}) == {"job_id": view.id}
     reply = await call(door.client, {"op": "status", "job_id": view.id})
     assert reply["code"] == "not_found"
     await cancel(door.client, running, force=True)

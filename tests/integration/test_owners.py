@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.client import RemoteError
+from ddpd.client import RemoteError, WhoAmI
 from ddpd.protocol import JobState
 
 from ..conftest import REPO, DaemonProc, running_daemon
@@ -106,3 +106,26 @@ async def test_socket_group_lets_its_members_in(short_tmp: Path) -> None:
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == NOBODY
         done = await as_nobody(d, "ping")  # nobody's primary group is nogroup
         assert done.returncode == 0, done.stderr.decode()
+
+
+async def test_whoami_is_the_caller_as_the_daemon_sees_it(short_tmp: Path) -> None:
+    """uid from the socket, name and groups from the system, rights from the config (admin group, reload)."""
+    config = _config(short_tmp, 'socket_mode = "0666"\nadmin_group = "nogroup"\n')
+    async with running_daemon(short_tmp, "--config", str(config), "--gpus", "0") as d:
+        me = await d.client.whoami()
+        assert me == WhoAmI(uid=0, name="root", groups=["root"], admin_group="nogroup", detail_of_all=True,
+                            may_reload=True, submit_refusal=None)
+        done = await as_nobody(d, "whoami", "-o", "json")
+        assert done.returncode == 0, done.stderr.decode()
+        assert json.loads(done.stdout) == {"uid": NOBODY, "name": "nobody", "groups": ["nogroup"],
+                                           "admin_group": "nogroup", "detail_of_all": True, "may_reload": False,
+                                           "submit_refusal": None}
+        config.write_text('socket_mode = "0666"\nadmin_group = "root"\n')
+        await d.client.reload()  # nobody is in the admin group no more
+        done = await as_nobody(d, "whoami")
+        assert done.returncode == 0, done.stderr.decode()
+        rows = [line.split(None, 1) for line in done.stdout.decode().splitlines()]
+        shown = {key: value.strip() for key, value in rows}
+        assert shown["uid"] == str(NOBODY) and shown["name"] == "nobody" and shown["groups"] == "nogroup"
+        assert shown["job"] == "detail  your own jobs' (admin group: root)"
+        assert shown["reload"].startswith("not allowed") and shown["submit"] == "allowed"

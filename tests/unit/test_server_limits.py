@@ -11,10 +11,10 @@ import pytest
 
 from ddpd.daemon.control.replies import PAGE_BUDGET, clip_event, fit_view, job_page
 from ddpd.daemon.control.requests import FrameReader, ReadTimeout
-from ddpd.daemon.control.server import RequestError, error_code
-from ddpd.daemon.store.errors import LimitError, NotRunnableError, StorageError
+from ddpd.daemon.store import errors
+from ddpd.daemon.store.errors import DaemonError
 from ddpd.daemon.store.records import Job
-from ddpd.protocol import MAX_FRAME, FrameError, JobSpec, JobState, SpecError
+from ddpd.protocol import MAX_FRAME, FrameError, JobSpec, JobState
 from ddpd.protocol.control import EventView, RootCause
 from ddpd.protocol.errors import ErrorCode
 
@@ -115,11 +115,8 @@ def test_events_are_clipped() -> None:
     assert len(msgspec.json.encode(clipped)) < 20_000 and clipped.data["n"][0] == 1
 
 
-def test_error_codes_of_expected_failures() -> None:
-    assert error_code(SpecError("env.X", "bad")) == ErrorCode.BAD_SPEC
-    assert error_code(StorageError("database is locked")) == ErrorCode.STORAGE_UNAVAILABLE
-    assert error_code(NotRunnableError("job j1 already ended")) == ErrorCode.NOT_RUNNABLE
-    assert error_code(LimitError("queue full")) == ErrorCode.LIMIT_EXCEEDED
-    assert error_code(RequestError(ErrorCode.NOT_FOUND, "no job")) == ErrorCode.NOT_FOUND
-    assert error_code(FrameError("bad_message", "x")) == "bad_message"
-    assert error_code(RecursionError()) is None and error_code(KeyError("x")) is None  # bugs: internal
+def test_every_expected_failure_is_a_daemon_error_with_its_own_code() -> None:
+    kinds = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, DaemonError)]
+    codes = [kind.code for kind in kinds if kind is not DaemonError]
+    assert len(codes) >= 9 and len(set(codes)) == len(codes) and ErrorCode.INTERNAL not in codes
+    assert all(kind("x").message == "x" and str(kind("x")) == "x" for kind in kinds)

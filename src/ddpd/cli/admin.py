@@ -1,10 +1,14 @@
-"""ddpctl's commands about the daemon and the shell: ping, daemon, reload, completion."""
+"""ddpctl's commands about the daemon and the shell: ping, daemon, whoami, reload, completion."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import click
+from rich.table import Table
+from rich.text import Text
+
+from ddpd.client import WhoAmI
 
 from . import render
 from .completion import SHELLS, completion_script
@@ -31,6 +35,36 @@ def daemon_info(output: str, socket_path: Path | None) -> None:
         print_json(info)
         return
     stdout().print(render.daemon_grid(info))
+
+
+@cli.command()
+@output_option
+@socket_option
+def whoami(output: str, socket_path: Path | None) -> None:
+    """Show who the daemon takes you for: uid, name, groups, and what you may see and do."""
+    me = client_for(socket_path).whoami()
+    if output == "json":
+        print_json(me)
+        return
+    stdout().print(_whoami_grid(me))
+
+
+def _whoami_grid(me: WhoAmI) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    admin = f" (admin group: {me.admin_group})" if me.admin_group else ""
+    rows = [
+        ("uid", str(me.uid)),
+        ("name", me.name if me.name is not None else "(no passwd entry)"),
+        ("groups", ", ".join(me.groups) or "-"),
+        ("job detail", ("every job's" if me.detail_of_all else "your own jobs'") + admin),
+        ("reload", "allowed" if me.may_reload else "not allowed (root or the daemon's user only)"),
+        ("submit", "allowed" if me.submit_refusal is None else f"refused: {me.submit_refusal}"),
+    ]
+    for key, value in rows:
+        grid.add_row(key, Text(value))
+    return grid
 
 
 @cli.command()

@@ -37,6 +37,7 @@ from ddpd.protocol.control import (
     StackGroup,
     StacksResult,
     SubmitResult,
+    WhoAmI,
 )
 from ddpd.protocol.logquery import MAX_TAIL, QueryError, format_stamp, parse_rank_set, parse_since
 from ddpd.protocol.logquery import Stream as LogStream
@@ -86,6 +87,7 @@ __all__ = [
     "SubmitResult",
     "Timeouts",
     "UnsafeSocket",
+    "WhoAmI",
     "build_spec",
     "check_spec",
     "format_stamp",

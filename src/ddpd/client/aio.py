@@ -50,6 +50,8 @@ from ddpd.protocol.control import (
     Submit,
     SubmitResult,
     Wait,
+    WhoAmI,
+    WhoAmIReq,
 )
 from ddpd.protocol.logquery import Stream as LogStream
 from ddpd.protocol.paths import UnsafeSocketDir, client_socket_path
@@ -342,3 +344,7 @@ class AsyncClient:
 
     async def reload(self) -> None:
         await self._call(lambda i: Reload(id=i))
+
+    async def whoami(self) -> WhoAmI:
+        """Who the daemon takes this client for: uid, name, groups and rights (see WhoAmI)."""
+        return convert(await self._call(lambda i: WhoAmIReq(id=i)), WhoAmI)

@@ -28,6 +28,7 @@ from ddpd.protocol.control import (
     Reply,
     StacksResult,
     SubmitResult,
+    WhoAmI,
 )
 from ddpd.protocol.logquery import Stream as LogStream
 
@@ -254,3 +255,6 @@ class Client:
 
     def reload(self) -> None:
         _once(self.aio.reload)
+
+    def whoami(self) -> WhoAmI:
+        return _once(self.aio.whoami)

@@ -7,7 +7,7 @@ frame limit by it (pages of `list`, clipped texts).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -126,8 +126,14 @@ class Reload(_Req, tag="reload"):
     pass
 
 
+class WhoAmIReq(_Req, tag="whoami"):
+    """Who the daemon takes the caller for: its uid (SO_PEERCRED), name, groups and rights (WhoAmI)."""
+
+
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload | StacksReq | CurveReq | Resubmit)
+           | Reload | StacksReq | CurveReq | Resubmit | WhoAmIReq)
+OPS: frozenset[str] = frozenset(str(kind.__struct_config__.tag) for kind in get_args(Request))
+"""Every op a request may name: the tags of the `Request` union, so no op is known without its type."""
 
 
 class RequestEnvelope(msgspec.Struct):
@@ -269,12 +275,6 @@ class LogChunk(msgspec.Struct, omit_defaults=True):
 class SubmitResult(msgspec.Struct):
     job_id: str
     existing: bool = False  # True: the idempotency key matched a job submitted before
-
-
-class JobPage(msgspec.Struct):
-    """A page of `list`: `next` is the `before` of the following page, None on the last."""
-
-    jobs: list[JobView]
     of: str | None = None  # a resubmit: the full id of the job whose spec was submitted again
 
 
@@ -282,6 +282,12 @@ class RemoveResult(msgspec.Struct):
     """What `rm` removed: the full id of the job the request named (perhaps by a prefix)."""
 
     job_id: str
+
+
+class JobPage(msgspec.Struct):
+    """A page of `list`: `next` is the `before` of the following page, None on the last."""
+
+    jobs: list[JobView]
     next: int | None = None
 
 
@@ -310,6 +316,21 @@ class DaemonInfo(msgspec.Struct):
     pool_ready: int | None = None
     gpu_devices: list[GpuView] = msgspec.field(default_factory=list)
     gpu_note: str | None = None  # why gpu_devices is empty on a daemon with GPUs (NVML unavailable...)
+
+
+class WhoAmI(msgspec.Struct):
+    """The caller as the daemon sees it: the uid from the socket, the name and groups from the passwd
+    and group databases (`name` None: no passwd entry, `groups` empty then); `detail_of_all`: may see
+    every job's detail (root, the admin group, the user of a per-user daemon); `may_reload`: may reload
+    the daemon; `submit_refusal`: why the daemon takes no jobs from it (None: it takes them)."""
+
+    uid: int
+    name: str | None = None
+    groups: list[str] = msgspec.field(default_factory=list)
+    admin_group: str | None = None
+    detail_of_all: bool = False
+    may_reload: bool = False
+    submit_refusal: str | None = None
 
 
 class CurvePoint(msgspec.Struct, array_like=True):

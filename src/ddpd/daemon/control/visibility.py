@@ -23,7 +23,7 @@ from .replies import Detail
 from .streams import job_events
 
 
-def _viewer(uid: int, group: str | None) -> tuple[Identity | None, int | None]:
+def viewer_of(uid: int, group: str | None) -> tuple[Identity | None, int | None]:
     """Blocking (NSS lookups): the viewer's identity (None: no passwd entry) and the admin gid."""
     try:
         viewer: Identity | None = Identity.of(uid)
@@ -32,14 +32,25 @@ def _viewer(uid: int, group: str | None) -> tuple[Identity | None, int | None]:
     return viewer, admin_gid(group)
 
 
-async def detail_for(uid: int, admin_group: str | None) -> Detail:
-    """Whose jobs' detail `uid` may see, as a predicate over the owner's uid."""
-    if uid == 0 or os.geteuid() != 0:  # root; or the one user a per-user daemon serves
+def _sees_all(uid: int) -> bool:
+    return uid == 0 or os.geteuid() != 0  # root; or the one user a per-user daemon serves
+
+
+def detail_rule(uid: int, viewer: Identity | None, admin: int | None) -> Detail:
+    """Whose jobs' detail `uid` (`viewer`, from `viewer_of`) may see, as a predicate over the owner's uid."""
+    if _sees_all(uid):
         return lambda owner: True
-    viewer, admin = await anyio.to_thread.run_sync(_viewer, uid, admin_group)
     if viewer is None:
         return lambda owner: owner == uid
     return lambda owner: may_see_detail(viewer, owner, admin)
+
+
+async def detail_for(uid: int, admin_group: str | None) -> Detail:
+    """`detail_rule` of `uid`, looked up off the loop (and not at all for those who see everything)."""
+    if _sees_all(uid):
+        return detail_rule(uid, None, None)
+    viewer, admin = await anyio.to_thread.run_sync(viewer_of, uid, admin_group)
+    return detail_rule(uid, viewer, admin)
 
 
 def not_yours(job: Job, what: str) -> str:

@@ -29,7 +29,7 @@ from ..contain.usertree import remove_job_dir
 from ..multinode.elastic import NodeError, check_endpoint
 from ..multinode.nodes import NodeSession
 from ..pool.pool import WarmPool
-from ..store.errors import ForbiddenError, NotRunnableError
+from ..store.errors import NotRunnableError
 from ..store.journal import Journal
 from ..store.records import Job, job_dir
 from . import lifecycle
@@ -166,8 +166,7 @@ class Scheduler:
 
     async def remove(self, job: Job, uid: int) -> None:
         """`rm`: forget an ended job (row, ranks, attempts, events, logs and checkpoints); owner or root."""
-        if uid not in (0, job.owner_uid):
-            raise ForbiddenError(f"job {job.id} belongs to uid {job.owner_uid}; only it or root may remove it")
+        job.check_owner(uid, "remove")
         refused = lifecycle.removal_refused(job.state)
         if refused is not None:
             raise NotRunnableError(f"job {job.id}: {refused}")

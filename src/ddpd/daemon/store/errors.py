@@ -1,6 +1,9 @@
-"""Errors the scheduler and the journal raise for a client's request; each carries its stable code.
+"""The daemon's one error model: every expected failure of a request is a `DaemonError` with its code.
 
-The control server answers any `DaemonError` as `Error(code=exc.code, message=exc.message)`.
+The control server answers any `DaemonError` as `Error(code=exc.code, message=exc.message)`; any
+other exception met while serving a request is a bug, answered `internal`. Failures of other
+layers that a client caused (a bad spec, a bad config file on reload) become their `DaemonError`
+where the request is handled.
 """
 
 from __future__ import annotations
@@ -37,6 +40,36 @@ class NotRunnableError(DaemonError):
 
 
 class ForbiddenError(DaemonError, PermissionError):
-    """Only the job's owner or root may do this."""
+    """The caller may not do this (only the job's owner or root may; a per-user daemon serves its user)."""
 
     code = ErrorCode.PERMISSION_DENIED
+
+
+class NotFoundError(DaemonError):
+    """What the request names does not exist (a job's rank, for example)."""
+
+    code = ErrorCode.NOT_FOUND
+
+
+class VersionMismatchError(DaemonError):
+    """The client speaks another protocol version."""
+
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class ShuttingDownError(DaemonError):
+    """The daemon is stopping and takes no new work."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class BadSpecError(DaemonError):
+    """A job spec that cannot run (a `SpecError` as the client sees it: `field: problem`)."""
+
+    code = ErrorCode.BAD_SPEC
+
+
+class BadConfigError(DaemonError):
+    """A reload found a bad config file; the running config stays."""
+
+    code = ErrorCode.BAD_CONFIG

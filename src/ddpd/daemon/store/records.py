@@ -15,6 +15,7 @@ import anyio
 from ...protocol import JobSpec, JobState, RankState
 from ...protocol.control import JobView, RankView, RootCause
 from ...protocol.nodes import NodeView
+from .errors import ForbiddenError
 
 
 @dataclass
@@ -88,6 +89,11 @@ class Job:
     # each live rank log's last rotation, by path: set by the log keeper's thread just before the
     # live log is emptied (one dict item assignment), read by the daemon's log readers
     log_cuts: dict[str, LogCut] = field(default_factory=dict)
+
+    def check_owner(self, uid: int, what: str) -> None:
+        """ForbiddenError unless `uid` is the job's owner or root: who may `what` (cancel, remove...) it."""
+        if uid not in (0, self.owner_uid):
+            raise ForbiddenError(f"job {self.id} belongs to uid {self.owner_uid}; only it or root may {what} it")
 
     def view(self) -> JobView:
         now = time.monotonic()

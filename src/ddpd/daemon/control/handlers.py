@@ -1,0 +1,329 @@
+"""One function per request type, and `route`, the one `match` that picks it.
+
+`route` ends in `assert_never`: a request type added to `protocol.control.Request` without its arm
+here fails mypy, and the ops the server accepts are the union's tags (`protocol.control.OPS`). So
+a request is added in three places: its type in the protocol, its handler here, its client call.
+
+A handler returns its result (the server answers `Ok`) or is an async iterator of items (the
+server sends each as `Item`, then `End`). Every expected failure is a `DaemonError` with its code
+(`store.errors`); a spec or config error met here becomes one. Who may see a job's detail is
+`visibility`'s; who may act on a job (its owner or root) is `Job.check_owner`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from ... import __version__
+from ...protocol import PROTOCOL_VERSION, JobSpec, SpecError, check_spec
+from ...protocol.control import (
+    LIST_LIMIT,
+    Cancel,
+    CancelResult,
+    CurveReq,
+    CurveResult,
+    DaemonInfo,
+    DaemonInfoReq,
+    Events,
+    EventView,
+    HelloReq,
+    JobPage,
+    JobView,
+    ListJobs,
+    LogChunk,
+    Logs,
+    Ping,
+    Reload,
+    Remove,
+    RemoveResult,
+    Request,
+    Resubmit,
+    StacksReq,
+    StacksResult,
+    Status,
+    Submit,
+    SubmitResult,
+    Wait,
+    WhoAmI,
+    WhoAmIReq,
+)
+from ...protocol.spec import reserved_env
+from ..config import ConfigError
+from ..contain.identity import Identity, UnknownUser, check_serves, job_environment, submitted_environment
+from ..gpu.gpuview import daemon_gpus, with_rank_gpus
+from ..queue.jobids import resolve
+from ..queue.scheduler import Scheduler
+from ..store.curves import CurveStore, curve_result
+from ..store.errors import (
+    BadConfigError,
+    BadSpecError,
+    ForbiddenError,
+    NotFoundError,
+    NotRunnableError,
+    ShuttingDownError,
+    VersionMismatchError,
+)
+from ..store.records import Job
+from .interpreters import InterpreterChecks
+from .replies import Detail, clip_event, fit_view, job_page, positioned, visible_view
+from .streams import job_events, log_chunks
+from .visibility import detail_for, detail_rule, not_yours, viewer_of, visible_events
+
+Answer = Awaitable[Any] | AsyncIterator[Any]
+"""A handler's answer: its result, or the items of a stream."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the handlers act on; built once by the control server."""
+
+    scheduler: Scheduler
+    info: Callable[[], DaemonInfo]
+    reload: Callable[[], Awaitable[None]]
+    curves: CurveStore | None
+    interpreters: InterpreterChecks
+
+
+def route(ctx: Context, req: Request, uid: int) -> Answer:
+    """The handler of `req` for the peer `uid` (ForbiddenError where this daemon does not serve it)."""
+    check_served(uid, ctx.scheduler.config.allow_root_jobs)
+    match req:
+        case HelloReq():
+            return hello(req)
+        case Submit():
+            return submit(ctx, req, uid)
+        case Resubmit():
+            return resubmit(ctx, req, uid)
+        case Status():
+            return status(ctx, req, uid)
+        case ListJobs():
+            return list_jobs(ctx, req, uid)
+        case Cancel():
+            return cancel(ctx, req, uid)
+        case Wait():
+            return wait(ctx, req, uid)
+        case Logs():
+            return logs(ctx, req, uid)
+        case Events():
+            return events(ctx, req, uid)
+        case Remove():
+            return remove(ctx, req, uid)
+        case StacksReq():
+            return stacks(ctx, req, uid)
+        case CurveReq():
+            return curve(ctx, req, uid)
+        case Ping():
+            return ping()
+        case DaemonInfoReq():
+            return daemon_info(ctx)
+        case Reload():
+            return reload(ctx, uid)
+        case WhoAmIReq():
+            return whoami(ctx, uid)
+        case _:
+            assert_never(req)
+
+
+def check_served(uid: int, allow_root_jobs: bool) -> None:
+    """A per-user daemon serves its own uid only."""
+    if os.geteuid() != 0 and uid != os.geteuid():
+        raise ForbiddenError(check_serves(os.geteuid(), uid, allow_root_jobs) or "not served")
+
+
+def may_reload(uid: int) -> bool:
+    return uid in (0, os.getuid())
+
+
+# -- the handlers, in the order of the protocol ------------------------------------------------
+
+
+async def hello(req: HelloReq) -> dict[str, Any]:
+    if req.version != PROTOCOL_VERSION:
+        raise VersionMismatchError(f"client speaks protocol {req.version}, daemon {PROTOCOL_VERSION}")
+    return {"version": PROTOCOL_VERSION, "daemon": __version__}
+
+
+async def submit(ctx: Context, req: Submit, uid: int) -> SubmitResult:
+    return await _submit(ctx, req.spec, uid, req.idempotency_key)
+
+
+async def resubmit(ctx: Context, req: Resubmit, uid: int) -> SubmitResult:
+    job = await _job(ctx, req.job_id)
+    job.check_owner(uid, "resubmit")  # its spec carries the owner's environment
+    if job.spec.task is None and job.spec.script is None:  # a stored spec that could not be read
+        raise NotRunnableError(f"job {job.id} has no spec to submit again")
+    submitted = await _submit(ctx, job.spec, uid, req.idempotency_key)
+    return msgspec.structs.replace(submitted, of=job.id)
+
+
+async def status(ctx: Context, req: Status, uid: int) -> JobView:
+    job = await _job(ctx, req.job_id)
+    view = await with_rank_gpus(positioned(job.view(), ctx.scheduler.queue_positions()), job)
+    return visible_view(view, await _detail(ctx, uid))
+
+
+async def list_jobs(ctx: Context, req: ListJobs, uid: int) -> JobPage:
+    limit = min(req.limit, LIST_LIMIT)
+    jobs = await ctx.scheduler.page(limit + 1, req.before, active=not req.all)
+    return job_page(jobs, active_only=not req.all, limit=limit, before=req.before,
+                    detail=await _detail(ctx, uid), positions=ctx.scheduler.queue_positions())
+
+
+async def cancel(ctx: Context, req: Cancel, uid: int) -> CancelResult:
+    job = await _job(ctx, req.job_id)
+    job.check_owner(uid, "cancel")
+    if job.state.final:
+        raise NotRunnableError(f"job {job.id} already ended ({job.state.value})")
+    if job.cancel_requested is not None and not req.force:
+        return CancelResult(action="already_stopping", job=fit_view(job.view()))
+    queued = job.state.value == "QUEUED"
+    await ctx.scheduler.cancel(job, f"cancelled by uid {uid}", req.force)
+    action = "cancelled" if queued else "killing" if req.force else "stopping"
+    return CancelResult(action=action, job=fit_view(job.view()))
+
+
+async def wait(ctx: Context, req: Wait, uid: int) -> JobView:
+    job = await _job(ctx, req.job_id)
+    await job.finished.wait()
+    return visible_view(job.view(), await _detail(ctx, uid))
+
+
+async def logs(ctx: Context, req: Logs, uid: int) -> AsyncIterator[LogChunk]:
+    job = await _detailed(ctx, req.job_id, uid, "logs")
+    for r in ([] if req.rank is None else [req.rank]) + (req.ranks or []):
+        _check_rank(job, r)
+    async for chunk in log_chunks(ctx.scheduler.config.state_dir, job, req):
+        yield chunk
+
+
+async def events(ctx: Context, req: Events, uid: int) -> AsyncIterator[EventView]:
+    found = (job_events(ctx.scheduler.journal, await _detailed(ctx, req.job_id, uid, "events"), req)
+             if req.job_id else visible_events(ctx.scheduler, req, uid, await _detail(ctx, uid)))
+    async for event in found:
+        yield clip_event(event)
+
+
+async def remove(ctx: Context, req: Remove, uid: int) -> RemoveResult:
+    job = await _job(ctx, req.job_id)
+    await ctx.scheduler.remove(job, uid)  # the owner or root (Job.check_owner)
+    return RemoveResult(job_id=job.id)
+
+
+async def stacks(ctx: Context, req: StacksReq, uid: int) -> StacksResult:
+    job = await _detailed(ctx, req.job_id, uid, "stacks")
+    attempt = ctx.scheduler.attempts.get(job.id)
+    if attempt is None or job.state.final:
+        raise NotRunnableError(f"job {job.id} is {job.state.value}, not running")
+    if req.rank is not None:
+        _check_rank(job, req.rank)
+    return await attempt.stacks(req.rank, req.native)
+
+
+async def curve(ctx: Context, req: CurveReq, uid: int) -> CurveResult:
+    job = await _detailed(ctx, req.job_id, uid, "curve")
+    found = None if ctx.curves is None else await ctx.curves.curve(job.id)
+    return curve_result(job, found)
+
+
+async def ping() -> str:
+    return "pong"
+
+
+async def daemon_info(ctx: Context) -> DaemonInfo:
+    """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview)."""
+    info = ctx.info()
+    if info.gpus == 0:
+        return info
+    running = [j for j in ctx.scheduler.unended.values() if j.id in ctx.scheduler.running]
+    devices, note = await daemon_gpus(running)
+    return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
+
+
+async def reload(ctx: Context, uid: int) -> None:
+    if not may_reload(uid):
+        raise ForbiddenError(f"only root or the daemon's user (uid {os.getuid()}) may reload it")
+    try:
+        await ctx.reload()
+    except ConfigError as exc:
+        raise BadConfigError(str(exc)) from None
+
+
+async def whoami(ctx: Context, uid: int) -> WhoAmI:
+    """The caller as this daemon sees it: passwd and group databases, the config's admin group."""
+    cfg = ctx.scheduler.config
+    viewer, admin = await anyio.to_thread.run_sync(viewer_of, uid, cfg.admin_group)
+    groups = [] if viewer is None else await anyio.to_thread.run_sync(viewer.group_names)
+    return WhoAmI(uid=uid, name=None if viewer is None else viewer.name, groups=groups, admin_group=cfg.admin_group,
+                  detail_of_all=detail_rule(uid, viewer, admin)(-1),  # -1: no one's uid, so anyone's job
+                  may_reload=may_reload(uid), submit_refusal=check_serves(os.geteuid(), uid, cfg.allow_root_jobs))
+
+
+# -- shared steps ----------------------------------------------------------------------------
+
+
+async def _job(ctx: Context, job_id: str) -> Job:
+    """The job a request names: its id or a unique prefix (not_found, ambiguous: see jobids)."""
+    return await resolve(ctx.scheduler.table, job_id)
+
+
+async def _detail(ctx: Context, uid: int) -> Detail:
+    return await detail_for(uid, ctx.scheduler.config.admin_group)
+
+
+async def _detailed(ctx: Context, job_id: str, uid: int, what: str) -> Job:
+    """The job, if `uid` may see its detail (`what`: its logs, its events); else ForbiddenError."""
+    job = await _job(ctx, job_id)
+    if not (await _detail(ctx, uid))(job.owner_uid):
+        raise ForbiddenError(not_yours(job, what))
+    return job
+
+
+def _check_rank(job: Job, rank: int) -> None:
+    if not 0 <= rank < job.spec.nproc:
+        raise NotFoundError(f"job {job.id} has no rank {rank}")
+
+
+async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> SubmitResult:
+    if not ctx.scheduler.accepting:
+        raise ShuttingDownError("the daemon is shutting down")
+    try:
+        spec = check_spec(spec)
+        await _check_submitter(ctx, spec, uid)
+        job, existing = await ctx.scheduler.submit(spec, uid, idempotency_key=key)
+    except SpecError as exc:
+        raise BadSpecError(str(exc)) from None
+    return SubmitResult(job_id=job.id, existing=existing)
+
+
+async def _check_submitter(ctx: Context, spec: JobSpec, uid: int) -> None:
+    """Who may submit (check_serves) and whether the job's interpreter runs for them (SpecError `python`)."""
+    cfg = ctx.scheduler.config
+    refusal = check_serves(os.geteuid(), uid, cfg.allow_root_jobs)
+    if refusal is not None:
+        raise ForbiddenError(refusal)
+    python = spec.python
+    if python is None and os.geteuid() == 0 and uid != 0 and not cfg.worker_command:
+        python = sys.executable  # an older client of another user: its ranks run the daemon's, as that user
+    if python is None:
+        return  # an older client of the daemon's own user: the daemon's interpreter, as before
+    identity = await _identity(uid)
+    exported = {k: v for k, v in submitted_environment(identity, spec.environ).items() if not reserved_env(k)}
+    env = job_environment(identity, exported, spec.env, {})
+    reason = await ctx.interpreters.refusal(identity, python, env, cfg.interpreter_check_timeout)
+    if reason is not None:
+        raise SpecError("python", reason)
+
+
+async def _identity(uid: int) -> Identity:
+    try:
+        return await anyio.to_thread.run_sync(Identity.of, uid)
+    except UnknownUser as exc:
+        raise ForbiddenError(str(exc)) from None
