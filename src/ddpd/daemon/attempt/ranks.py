@@ -10,7 +10,8 @@ YIELD_EVERY frames, so a flooding rank cannot starve the daemon.
 
 A script that calls ``init_process_group`` again (destroy and re-init) sends its join phases
 again: a re-join (`is_rejoin`), recorded as an event ``rank.rejoined`` with its count, while the
-rank keeps its state.
+rank keeps its state. Re-joins and checkpoints are persisted within a per-rank budget, re-joins
+coalesced, checkpoint paths clipped (`rankevents`): a rank cannot grow the database without bound.
 
 A Stacks frame answers an `AskStacks` the daemon sent (`RankHandle.asked`); an unasked or late
 one is dropped.
@@ -41,6 +42,7 @@ from ..store.records import Job, Rank
 from .clock import Clock
 from .deadlines import RankClock
 from .outcome import Outcome
+from .rankevents import PATH_CLIP, EventBudget, rejoin_kept
 
 MAX_STEP = 2**63 - 1  # a step counter SQLite can store
 YIELD_EVERY = 64  # frames read between two checkpoints of the event loop
@@ -103,6 +105,7 @@ class RankHandle:
     missed_reported: float | None = None
     asked: dict[int, StacksAsked] = field(default_factory=dict)  # AskStacks requests awaiting their answer
     logs: RankLogs | None = None  # the daemon's side of its stdout and stderr logs
+    events: EventBudget = field(default_factory=EventBudget)  # what of its repeated events is persisted
 
     def fail(self, now: float) -> None:
         """Record the first sign of failure (its time ranks root causes)."""
@@ -196,7 +199,8 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             if phase == "joined":  # a script's init_process_group again: tracked, the rank keeps its state
                 h.rejoins += 1
                 rank.last_step_change = now  # the rendezvous took its time: the progress clock starts over
-                await journal.event(job, "rank.rejoined", rank=rank.rank, count=h.rejoins, state=rank.state.value)
+                await _bounded(h, ctx, now, "rank.rejoined", rejoin_kept(h.rejoins), count=h.rejoins,
+                               state=rank.state.value)
         case PhaseChanged(phase="store_connected"):
             if h.pooled:
                 await ctx.check_pgid(h)
@@ -216,7 +220,7 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
         case PhaseChanged():
             pass
         case Checkpointed(step=step, path=path):
-            await journal.event(job, "job.checkpointed", rank=rank.rank, step=step, path=clip_text(path, 4096))
+            await _bounded(h, ctx, now, "job.checkpointed", True, step=step, path=clip_text(path, PATH_CLIP))
         case Result() as result:
             if h.result is not None:
                 raise FrameError("bad_message", f"rank {rank.rank} sent a second result")
@@ -238,6 +242,15 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                                     message=h.failure.message, phase=h.failure.phase,
                                     traceback=h.failure.traceback)
             ctx.conclude(Outcome(JobState.FAILED, "rank_failed"))
+
+
+async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: object) -> None:
+    """An event the rank may cause again and again: persisted within its budget (`rankevents`), else live only."""
+    keep = wanted and h.events.admit(now)
+    await ctx.journal.event(ctx.job, kind, rank=h.rank.rank, persist=keep, **data)
+    if wanted and not keep and h.events.first_refusal:
+        await ctx.journal.event(ctx.job, "rank.events_limited", rank=h.rank.rank, of=kind,
+                                message=h.events.describe())
 
 
 async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
