@@ -204,6 +204,7 @@ def remove(job_id: str, socket_path: Path | None) -> None:
 
 
 from . import admin, observe  # noqa: E402  (their commands join the group)
+from .web import command as _web  # noqa: E402, F401  (`ddpctl web`; its server loads when it runs)
 
 complete_job_ids(cli)
 __all__ = ["admin", "cli", "main", "observe", "submit"]

@@ -1,0 +1,93 @@
+"""Running the web view: bind 127.0.0.1, make the token, print the URL, serve until a signal.
+
+The listening socket is bound here (port 0: a free one) before hypercorn is given it, so the URL
+printed carries the real port and a taken port is a clear error at once. The token is 32 random
+bytes (url-safe). SIGINT or SIGTERM closes the hub (ending every page's stream) and then the server,
+which waits `GRACE` seconds for the last replies.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import webbrowser
+from pathlib import Path
+
+import anyio
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+
+from ddpd.client import AsyncClient
+
+from .app import create_app
+from .context import Web
+from .hub import Hub
+from .present import environment
+
+HOST = "127.0.0.1"
+GRACE = 1.0  # seconds the server waits for open replies when stopping
+
+
+class PortTaken(Exception):
+    """The port asked for cannot be bound on 127.0.0.1."""
+
+
+def bind(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, port))
+    except OSError as exc:
+        sock.close()
+        raise PortTaken(f"cannot listen on {HOST}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(sock: socket.socket) -> Config:
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the bound socket from here
+    config.graceful_timeout = GRACE
+    config.accesslog = None
+    config.errorlog = None
+    config.keep_alive_timeout = 30
+    return config
+
+
+async def run(socket_path: Path | None, port: int, open_browser: bool) -> None:
+    """Serve the web view of the daemon at `socket_path` until SIGINT or SIGTERM."""
+    sock = bind(port)
+    address = f"{HOST}:{sock.getsockname()[1]}"
+    client = AsyncClient(socket_path)
+    await client.ping()  # a daemon that cannot be reached is an error now, not a blank page
+    hub = Hub(client)
+    web = Web(client=client, hub=hub, token=secrets.token_urlsafe(32), env=environment(), viewer=os.getuid())
+    app = create_app(web, address)
+    url = f"http://{address}/?token={web.token}"
+    stop = anyio.Event()
+    signals = anyio.CancelScope()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hub.run)
+        tg.start_soon(_on_signal, hub, stop, signals)
+        sys.stdout.write(url + "\n")
+        sys.stdout.flush()
+        if open_browser:
+            await anyio.to_thread.run_sync(webbrowser.open, url)
+        # no cancel of this task group after it: hypercorn's own asyncio task group leaves this task
+        # cancelled once more than anyio counts (Python 3.11), so its children end by their own scopes
+        try:
+            await serve(app, _config(sock), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        finally:
+            hub.close()
+            signals.cancel()
+
+
+async def _on_signal(hub: Hub, stop: anyio.Event, scope: anyio.CancelScope) -> None:
+    with scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        async for _ in received:
+            hub.close()
+            stop.set()
+            return
