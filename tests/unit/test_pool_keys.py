@@ -67,18 +67,20 @@ def test_a_key_wants_two_jobs_worth_of_its_last_job_up_to_the_per_key_bound() ->
 
 
 def test_the_key_used_last_takes_the_room_of_the_key_used_longest_ago() -> None:
-    old, mid, new = key(uid=1), key(uid=2), key(uid=3)
+    old, mid, new = key(PYTHONPATH="/old"), key(PYTHONPATH="/mid"), key(PYTHONPATH="/new")  # one user's
     d = {old: demand(old, 2, 10.0), mid: demand(mid, 2, 20.0), new: demand(new, 2, 30.0)}
     p = plan(d, {old: 2, mid: 2}, total=4, per_key=2, idle_expiry=600, now=31.0)
     assert p.spawn == {new: 2} and p.retire == {old: 2} and not p.forget
 
 
 def test_the_total_bound_holds_whatever_the_demand() -> None:
-    keys = [key(uid=u) for u in range(10)]
+    keys = [key(PYTHONPATH=f"/p{u}") for u in range(10)]
     d = {k: demand(k, 4, float(i)) for i, k in enumerate(keys)}
     p = plan(d, {}, total=5, per_key=2, idle_expiry=600, now=100.0)
     assert sum(p.spawn.values()) == 5
     assert p.spawn == {keys[9]: 2, keys[8]: 2, keys[7]: 1}
+    many = {k: demand(k, 4, float(i)) for i, k in enumerate(key(uid=u) for u in range(10))}
+    assert sum(plan(many, {}, total=5, per_key=2, idle_expiry=600, now=100.0).spawn.values()) == 5
     assert sum(plan(d, {}, total=0, per_key=2, idle_expiry=600, now=100.0).spawn.values()) == 0
 
 
@@ -95,3 +97,18 @@ def test_an_idle_key_expires_and_its_interpreters_are_retired() -> None:
 def test_interpreters_of_a_forgotten_key_are_retired() -> None:
     a = key()
     assert plan({}, {a: 1}, total=4, per_key=2, idle_expiry=600, now=0.0).retire == {a: 1}
+
+
+def test_each_active_user_keeps_one_warm_interpreter_and_at_most_an_even_share() -> None:
+    """Bug: one user cycling environment keys evicted another user's warm interpreters."""
+    theirs = key(uid=2)
+    cycling = [key(uid=1, PYTHONPATH=f"/k{i}") for i in range(6)]
+    d = {theirs: demand(theirs, 2, 0.0), **{k: demand(k, 2, 10.0 + i) for i, k in enumerate(cycling)}}
+    p = plan(d, {theirs: 2}, total=4, per_key=4, idle_expiry=600, now=20.0)
+    assert p.retire == {}  # the other user's two are its even share (4 // 2 users)
+    assert sum(p.spawn.values()) == 2 and set(p.spawn) <= set(cycling)
+    third = key(uid=3)
+    d[third] = demand(third, 2, 30.0)
+    p = plan(d, {theirs: 2, cycling[-1]: 2}, total=4, per_key=4, idle_expiry=600, now=31.0)
+    assert p.spawn == {third: 1}  # a third user gets one at once: shares of 4 // 3 users, one each at least
+    assert p.retire == {theirs: 1, cycling[-1]: 1}

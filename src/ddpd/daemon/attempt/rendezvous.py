@@ -1,9 +1,10 @@
 """The attempt's rendezvous port: the daemon binds it, a process of the job's user serves the store.
 
 The daemon binds and listens on the port itself (configured range or ephemeral), so a taken port is
-a clear error or the next port, never a freeze. It never hosts the store: the listening socket goes
-to the store's host, local rank 0 of the attempt, with its assignment (SCM_RIGHTS on the rank's
-channel, `hand_over`), and the daemon closes its own copy. Rank 0 serves
+a clear error or the next port, never a freeze (a loopback store whose whole range is held by
+others, which any local user can do, falls back to an ephemeral port). It never hosts the store:
+the listening socket goes to the store's host, local rank 0 of the attempt, with its assignment
+(SCM_RIGHTS on the rank's channel, `hand_over`), and the daemon closes its own copy. Rank 0 serves
 ``TCPStore(is_master=True, master_listen_fd=..., wait_for_workers=False)`` on it, as the job's user
 and inside the attempt's cgroup; nothing any user sends to the port reaches the root daemon.
 """
@@ -11,15 +12,27 @@ and inside the attempt's cgroup; nothing any user sends to the port reaches the 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 from dataclasses import dataclass
+
+import structlog
 
 from ...protocol.channel import Assign
 from ..pool.channel import WorkerChannel
 
+log = structlog.get_logger("ddpd")
+
 
 class RendezvousError(RuntimeError):
     pass
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def listen_on(host: str, port: int) -> socket.socket:
@@ -77,7 +90,16 @@ class Rendezvous:
 
 
 async def open_rendezvous(host: str, port_range: tuple[int, int] | None) -> Rendezvous:
-    sock = bind_port(host, port_range)
+    """The attempt's bound port. On a loopback host a `port_range` that others hold entirely (any
+    local user can bind its ports) falls back to an ephemeral port, logged: no store port needs to
+    cross a firewall there. Elsewhere (a multi-node store) it stays a RendezvousError naming the range."""
+    try:
+        sock = bind_port(host, port_range)
+    except RendezvousError as exc:
+        if port_range is None or not _loopback(host) or not str(exc).startswith("no free rendezvous port"):
+            raise
+        log.warning("rendezvous.range_exhausted", host=host, port_range=list(port_range), fallback="ephemeral")
+        sock = bind_port(host, None)
     return Rendezvous(host=host, port=int(sock.getsockname()[1]), listener=sock, hosted=True)
 
 

@@ -15,6 +15,9 @@ job, when it was last used) and `plan` sizes it:
   imports torch, seconds of CPU, and starts only once the job that took the workers has ended);
 - all keys together hold at most ``total``: the keys used most recently are served first, so a
   key just used takes the room of idle interpreters of the key used longest ago;
+- but per user: each user with a live key keeps at least one warm interpreter (its latest key's),
+  and no user holds more than an even share of ``total`` (``total // users``, at least one), so
+  one user cycling new keys evicts only its own interpreters, never another user's;
 - a key unused for ``idle_expiry`` seconds is forgotten and its interpreters retired.
 
 Nothing here does I/O or reads a clock (`plan` takes ``now``); `pool_env` and `own_shape` read
@@ -158,14 +161,31 @@ def plan(demand: Mapping[PoolKey, Demand], held: Mapping[PoolKey, int], *, total
     """
     forget = tuple(k for k, d in demand.items() if now - d.last_used >= idle_expiry)
     live = sorted((d for k, d in demand.items() if k not in forget), key=lambda d: -d.last_used)
-    room = max(0, total)
-    share: dict[PoolKey, int] = {}
-    for d in live:
-        share[d.shape.key] = n = min(room, max(0, per_key), 2 * max(0, d.ranks))
-        room -= n
+    share = _shares(live, max(0, total), max(0, per_key))
     spawn = {k: n - held.get(k, 0) for k, n in share.items() if n > held.get(k, 0)}
     retire = {k: h - share.get(k, 0) for k, h in held.items() if h > share.get(k, 0)}
     return Plan(spawn=spawn, retire=retire, forget=forget)
+
+
+def _shares(live: list[Demand], room: int, per_key: int) -> dict[PoolKey, int]:
+    """Each key's share, `live` most recently used first: each user's latest key one interpreter
+    first, then each key its want within its user's even share of the pool (at least one)."""
+    users = list(dict.fromkeys(d.shape.key.uid for d in live))
+    cap = max(1, room // len(users)) if users else 0
+    share: dict[PoolKey, int] = {}
+    per_user: dict[int, int] = {}
+    for d in live:  # one warm interpreter for each active user, while the pool has room
+        uid = d.shape.key.uid
+        if uid not in per_user and room > 0 and min(per_key, 2 * max(0, d.ranks)) > 0:
+            share[d.shape.key], per_user[uid], room = 1, 1, room - 1
+    for d in live:
+        uid, key = d.shape.key.uid, d.shape.key
+        more = min(room, min(per_key, 2 * max(0, d.ranks)) - share.get(key, 0), cap - per_user.get(uid, 0))
+        if more > 0:
+            share[key] = share.get(key, 0) + more
+            per_user[uid] = per_user.get(uid, 0) + more
+            room -= more
+    return share
 
 
 def next_expiry(demand: Mapping[PoolKey, Demand], idle_expiry: float) -> float | None:
