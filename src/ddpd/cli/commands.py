@@ -22,6 +22,7 @@ from .completion import complete_job_ids
 from .group import EXIT_FAILED, cli, client_for, exit_for, output_option, report_final, socket_option
 from .jobfile import job_defaults, read_job_file
 from .output import LogWriter, error, note, print_json, stdout
+from .reconnect import follow_logs, reconnect_option, retrying
 from .select import Selection
 from .specs import spec_from_options, spec_options
 
@@ -45,10 +46,11 @@ def _load_job_file(ctx: click.Context, param: click.Parameter, value: Path | Non
 @click.option("--idempotency-key", default=None, metavar="KEY",
               help="Submit at most once under KEY: a retry with the same KEY prints the job it created.")
 @click.option("--follow", is_flag=True, help="Stream the logs until the job ends; exit 0 only on success.")
+@reconnect_option
 @socket_option
 @click.argument("script", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT ARGS...]")
-def submit(idempotency_key: str | None, follow: bool, socket_path: Path | None, script: tuple[str, ...],
-           **options: Any) -> None:
+def submit(idempotency_key: str | None, follow: bool, reconnect: float, socket_path: Path | None,
+           script: tuple[str, ...], **options: Any) -> None:
     """Submit a job and print its id.
 
     Without a script, every rank runs a task's training loop. After `--`, every rank runs an
@@ -64,18 +66,16 @@ def submit(idempotency_key: str | None, follow: bool, socket_path: Path | None, 
         note(f"job {result.job_id} was already submitted with this idempotency key")
     if follow:
         sys.stdout.flush()
-        exit_for(_follow_to_end(client, result.job_id))
+        exit_for(_follow_to_end(client, result.job_id, reconnect))
 
 
-def _follow_to_end(client: Client, job_id: str) -> JobView:
+def _follow_to_end(client: Client, job_id: str, reconnect: float) -> JobView:
     writer = LogWriter(prefix=True)
     try:
-        with client.logs(job_id, follow=True) as chunks:
-            for chunk in chunks:
-                writer.write(chunk)
+        follow_logs(client, reconnect, job_id, writer.write)
     finally:
         writer.finish()
-    view = client.wait(job_id)
+    view = retrying(client, reconnect, lambda: client.wait(job_id))
     report_final(view)
     return view
 
@@ -98,11 +98,13 @@ def resubmit(job_id: str, idempotency_key: str | None, socket_path: Path | None)
 @click.argument("job_id", metavar="JOB")
 @click.option("--exit-code", "rank_exit_code", is_flag=True,
               help="Exit with the exit code of the rank that failed first (1 when there is none).")
+@reconnect_option
 @output_option
 @socket_option
-def wait(job_id: str, rank_exit_code: bool, output: str, socket_path: Path | None) -> None:
-    """Block until JOB ends; exit 0 only if it succeeded."""
-    view = client_for(socket_path).wait(job_id)
+def wait(job_id: str, rank_exit_code: bool, reconnect: float, output: str, socket_path: Path | None) -> None:
+    """Block until JOB ends; exit 0 only if it succeeded (a daemon restart meanwhile is ridden out)."""
+    client = client_for(socket_path)
+    view = retrying(client, reconnect, lambda: client.wait(job_id))
     if output == "json":
         print_json(view)
     note(render.final_line(view), "green" if view.state == JobState.SUCCEEDED else "red")

@@ -13,6 +13,7 @@ from ddpd.client import MAX_TAIL, AsyncClient, LogStream, QueryError, parse_rank
 from . import curves, render
 from .group import EXIT_FAILED, cli, client_for, exit_for, report_final, socket_of, socket_option, text_output_option
 from .output import LogWriter, error, note, print_json
+from .reconnect import follow_logs, reconnect_option
 from .stacks import show_stacks
 from .watch import run_watch
 
@@ -32,9 +33,11 @@ from .watch import run_watch
 @click.option("-t", "--timestamps", is_flag=True, help="Prefix each line with the time the daemon received it (UTC).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix lines with their rank.")
 @text_output_option("text: the logs as written; json: one object per chunk ({rank, attempt, text, stream, time}).")
+@reconnect_option
 @socket_option
 def logs(job_id: str, rank_set: str | None, attempt: int | None, follow: bool, tail: int | None, since: str | None,
-         stream: LogStream, timestamps: bool, no_prefix: bool, output: str, socket_path: Path | None) -> None:
+         stream: LogStream, timestamps: bool, no_prefix: bool, output: str, reconnect: float,
+         socket_path: Path | None) -> None:
     """Print the logs of JOB (stdout and stderr of its ranks, by the time the daemon received them)."""
     try:
         ranks = parse_rank_set(rank_set) if rank_set is not None else None
@@ -44,19 +47,20 @@ def logs(job_id: str, rank_set: str | None, attempt: int | None, follow: bool, t
         start = parse_since(since, time.time()) if since is not None else None
     except QueryError as exc:
         raise click.BadParameter(str(exc), param_hint="--since") from None
-    with client_for(socket_path).logs(job_id, attempt=attempt, follow=follow, ranks=ranks, stream=stream, tail=tail,
-                                   since=start) as chunks:
-        if output == "json":
-            for chunk in chunks:
-                print_json(chunk)
+    one = ranks is not None and len(ranks) == 1
+    writer = LogWriter(prefix=not one and not no_prefix, timestamps=timestamps)
+    write = print_json if output == "json" else writer.write
+    client = client_for(socket_path)
+    query = {"attempt": attempt, "ranks": ranks, "stream": stream, "tail": tail, "since": start}
+    try:
+        if follow:
+            follow_logs(client, reconnect, job_id, write, **query)
             return
-        one = ranks is not None and len(ranks) == 1
-        writer = LogWriter(prefix=not one and not no_prefix, timestamps=timestamps)
-        try:
+        with client.logs(job_id, **query) as chunks:  # type: ignore[arg-type]
             for chunk in chunks:
-                writer.write(chunk)
-        finally:
-            writer.finish()
+                write(chunk)
+    finally:
+        writer.finish()
 
 
 @cli.command()
@@ -90,15 +94,16 @@ def stacks(job_id: str, rank: int | None, native: bool, output: str, socket_path
 @cli.command()
 @click.argument("job_id", metavar="[JOB]", required=False)
 @text_output_option("text: a live view; json: one JSON snapshot per refresh (the job, or the list of jobs).")
+@reconnect_option
 @socket_option
-def watch(job_id: str | None, output: str, socket_path: Path | None) -> None:
+def watch(job_id: str | None, output: str, reconnect: float, socket_path: Path | None) -> None:
     """A live view of JOB (or of all jobs): state, ranks, step, loss, heartbeat age.
 
     It refreshes on every event of the daemon's event stream, and once a second for the
     heartbeat ages. It runs until Ctrl-C (exit 0) or, with JOB, until JOB ends (exit 0 if it
     succeeded, else 1).
     """
-    view = run_watch(AsyncClient(socket_of(socket_path)), job_id, as_json=output == "json")
+    view = run_watch(AsyncClient(socket_of(socket_path)), job_id, as_json=output == "json", reconnect=reconnect)
     if view is not None:
         if output != "json":
             report_final(view)

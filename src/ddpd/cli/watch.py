@@ -19,6 +19,7 @@ from rich.text import Text
 from ddpd.client import AsyncClient, CurveResult, JobView, RemoteError
 
 from . import curves, output, render
+from .reconnect import RECONNECT_DEFAULT, ride_out_async
 
 REFRESH = 1.0  # seconds between redraws when no event comes
 
@@ -102,12 +103,22 @@ async def follow(client: AsyncClient, job_id: str | None, show: Show) -> JobView
     return final
 
 
-def run_watch(client: AsyncClient, job_id: str | None, as_json: bool) -> JobView | None:
+async def follow_through(client: AsyncClient, job_id: str | None, show: Show, reconnect: float) -> JobView | None:
+    """`follow`, started again each time the daemon came back after going away (see `reconnect`)."""
+    while True:
+        try:
+            return await follow(client, job_id, show)
+        except RemoteError as exc:
+            await ride_out_async(client, reconnect, exc)
+
+
+def run_watch(client: AsyncClient, job_id: str | None, as_json: bool,
+              reconnect: float = RECONNECT_DEFAULT) -> JobView | None:
     """Run the view until the job ends (its final view) or Ctrl-C (None, after a clean exit)."""
     if as_json:
         try:
-            return anyio.run(follow, client, job_id,
-                             lambda views, _: output.print_json(views[0] if job_id is not None else views))
+            return anyio.run(follow_through, client, job_id,
+                             lambda views, _: output.print_json(views[0] if job_id is not None else views), reconnect)
         except KeyboardInterrupt:
             return None
     console = output.stdout()
@@ -121,7 +132,7 @@ def run_watch(client: AsyncClient, job_id: str | None, as_json: bool) -> JobView
 
     try:
         with live:
-            return anyio.run(follow, client, job_id, show)
+            return anyio.run(follow_through, client, job_id, show, reconnect)
     except KeyboardInterrupt:
         return None
     finally:

@@ -8,6 +8,7 @@ turn; its `request`, `call` and `stream` take any typed request or plain mapping
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -54,9 +55,9 @@ from ddpd.protocol.control import (
     WhoAmIReq,
 )
 from ddpd.protocol.logquery import Stream as LogStream
-from ddpd.protocol.paths import UnsafeSocketDir, client_socket_path
+from ddpd.protocol.paths import SYSTEM_SOCKET, UnsafeSocketDir, client_socket_path, user_runtime_dir
 
-from .errors import ConnectionLost, ProtocolError, UnsafeSocket, unreachable
+from .errors import ConnectionLost, ProtocolError, UnsafeSocket, broken, unreachable, why_unreachable
 from .wire import (
     RawRequest,
     cancel_result,
@@ -95,7 +96,7 @@ class AsyncConnection:
         try:
             await self._stream.send(encode_request(req))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise ConnectionLost(self.socket_path, f"sending failed: {exc}") from None
+            raise ConnectionLost(self.socket_path, f"sending failed: {broken(exc)}") from None
         return id_of(req)
 
     async def receive(self) -> Reply:
@@ -107,7 +108,7 @@ class AsyncConnection:
         except anyio.DelimiterNotFound:
             raise ProtocolError(f"reply frame exceeds {MAX_FRAME} bytes") from None
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise ConnectionLost(self.socket_path, str(exc)) from None
+            raise ConnectionLost(self.socket_path, broken(exc)) from None
         return parse_reply(line)
 
     async def request(self, req: RawRequest) -> Reply:
@@ -191,6 +192,7 @@ class AsyncClient:
 
     def __init__(self, socket_path: str | Path | None = None) -> None:
         self._unsafe: UnsafeSocketDir | None = None
+        self._default = socket_path is None and not os.environ.get("DDPD_SOCKET")
         if socket_path is not None:
             self.socket_path = Path(socket_path)
         else:
@@ -199,14 +201,29 @@ class AsyncClient:
             except UnsafeSocketDir as exc:  # raised when it would be used: at connect
                 self.socket_path, self._unsafe = exc.path / "ddpd.sock", exc
 
+    async def _connect(self) -> anyio.abc.SocketStream:
+        """The socket's stream. The default socket that cannot be reached names every place tried:
+        the user's daemon's, then the system daemon's (tried too, as root's daemon listens there)."""
+        try:
+            return await anyio.connect_unix(self.socket_path)
+        except OSError as exc:
+            if not self._default:
+                raise unreachable(self.socket_path, exc) from None
+            first = exc
+        if self.socket_path == SYSTEM_SOCKET:  # the user's socket was not there when it was chosen
+            raise unreachable(self.socket_path, first, [(user_runtime_dir() / "ddpd.sock", "no such socket")])
+        try:
+            stream = await anyio.connect_unix(SYSTEM_SOCKET)
+        except OSError as exc:
+            raise unreachable(self.socket_path, first, [(SYSTEM_SOCKET, why_unreachable(exc))]) from None
+        self.socket_path = SYSTEM_SOCKET
+        return stream
+
     async def open(self, *, hello: bool = True) -> AsyncConnection:
         """A new connection (after the hello unless `hello=False`); the caller closes it."""
         if self._unsafe is not None:
             raise UnsafeSocket(self.socket_path, str(self._unsafe))
-        try:
-            stream = await anyio.connect_unix(self.socket_path)
-        except OSError as exc:
-            raise unreachable(self.socket_path, exc) from None
+        stream = await self._connect()
         conn = AsyncConnection(stream, self.socket_path)
         if hello:
             try:

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
+
 from ddpd.protocol import RemoteError
 
 
 class DaemonUnavailable(RemoteError):
     """The control socket cannot be reached: missing, refused, or not permitted."""
 
-    def __init__(self, socket_path: Path, reason: str) -> None:
+    def __init__(self, socket_path: Path, reason: str, others: list[tuple[Path, str]] | None = None) -> None:
+        where = f"at {socket_path}: {reason}"
+        if others:  # the default socket: every place tried, each with its reason
+            where = "; tried " + ", ".join(f"{path} ({why})" for path, why in [(socket_path, reason), *others])
         super().__init__(
             "daemon_unavailable",
-            f"cannot reach ddpd at {socket_path}: {reason}; is the daemon running? "
+            f"cannot reach ddpd{where}; is the daemon running? "
             "Start it with `ddpd serve` (or pass --socket / set $DDPD_SOCKET).",
         )
         self.socket_path = socket_path
@@ -49,8 +54,13 @@ class ProtocolError(RemoteError):
         super().__init__("protocol_error", message)
 
 
-def unreachable(socket_path: Path, exc: OSError) -> DaemonUnavailable:
-    """The DaemonUnavailable for a failed connect, its reason in words."""
+def unreachable(socket_path: Path, exc: OSError, others: list[tuple[Path, str]] | None = None) -> DaemonUnavailable:
+    """The DaemonUnavailable for a failed connect, its reason in words (`others`: the other places
+    tried, each with its reason)."""
+    return DaemonUnavailable(socket_path, why_unreachable(exc), others)
+
+
+def why_unreachable(exc: OSError) -> str:
     if isinstance(exc, FileNotFoundError):
         reason = "no such socket"
     elif isinstance(exc, ConnectionRefusedError):
@@ -59,4 +69,14 @@ def unreachable(socket_path: Path, exc: OSError) -> DaemonUnavailable:
         reason = "permission denied (are you in the socket's group?)"
     else:
         reason = exc.strerror or str(exc)
-    return DaemonUnavailable(socket_path, reason)
+    return reason
+
+
+def broken(exc: BaseException) -> str:
+    """Why a connection broke, in words: anyio's stream errors carry no text of their own."""
+    text = str(exc)
+    if text:
+        return text
+    if isinstance(exc, anyio.ClosedResourceError):
+        return "the connection was closed"
+    return "the daemon closed the connection"
