@@ -23,7 +23,8 @@ pytestmark = pytest.mark.anyio
 TORCHRUN = str(REPO / ".venv" / "bin" / "torchrun") if (REPO / ".venv" / "bin" / "torchrun").exists() else "torchrun"
 # set by torchrun's launcher for its own agent (which signals to forward), or by the terminal and
 # locale handling of the process tree, not for the script
-LAUNCHER_ONLY = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "LC_CTYPE", "COLUMNS", "LINES"}
+# TORCH_NCCL_ASYNC_ERROR_HANDLING: torchrun's 1 is not copied (torch's own default is safer)
+LAUNCHER_ONLY = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "LC_CTYPE", "COLUMNS", "LINES", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
 async def _events(d: DaemonProc, job_id: str) -> list[EventView]:
@@ -62,8 +63,10 @@ async def test_every_variable_torchrun_sets_is_set_and_ranks_join(daemon: Daemon
         assert not missing, f"rank {rank} lacks torchrun's {sorted(missing)}"
         same = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE",
-                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"]
         assert {k: env[k] for k in same} == {k: reference[rank][k] for k in same}
+        # torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (ncclCommAbort, which can hang); ddpd leaves torch's default
+        assert env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         # the store is the daemon's, and the run is the job
         assert env["MASTER_PORT"] == str(job.store_port)
         assert env["TORCHELASTIC_RUN_ID"] == job.id

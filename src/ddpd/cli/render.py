@@ -192,18 +192,31 @@ def size_text(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def gpu_name(index: int, mig: int | None, uuid: str) -> str:
+    """A GPU as every view names it: the NVML index (``0``, ``0/mig1``) and the UUID."""
+    label = f"{index}" if mig is None else f"{index}/mig{mig}"
+    return f"{label} {uuid}" if uuid else label
+
+
 def rank_gpu_text(gpus: list[RankGpu]) -> str:
-    """A rank's GPUs: "0 (1.2 GiB)", "0 (-), 1 (512 B)" (- where NVML does not say)."""
-    return ", ".join(f"{g.index} ({'-' if g.memory_used is None else size_text(g.memory_used)})" for g in gpus)
+    """A rank's GPUs: "0 GPU-5d3f.. (1.2 GiB)", "0 GPU-.. x0.5 (-)" (- where NVML does not say)."""
+    return ", ".join(f"{gpu_name(g.index, g.mig, g.uuid)}{'' if g.share is None else f' x{g.share:g}'} "
+                     f"({'-' if g.memory_used is None else size_text(g.memory_used)})" for g in gpus)
 
 
 def gpu_line(g: GpuView) -> str:
-    """One GPU for `ddpctl daemon`: name, memory used of total, utilisation, holders."""
+    """One GPU for `ddpctl daemon`: name, UUID, memory used of total, utilisation, holders, share held, draining."""
+    memory = "?" if g.memory_used is None or g.memory_total is None else \
+        f"{size_text(g.memory_used)} of {size_text(g.memory_total)}"
     util = "" if g.utilization is None else f", {g.utilization}% busy"
     held = ", ".join(g.jobs) if g.jobs else "free"
+    if g.jobs and 0 < g.held < 1:
+        held += f" ({g.held:.0%} held)"
     others = f" (+{g.other_processes} other process{'es' if g.other_processes > 1 else ''})" \
         if g.other_processes else ""
-    return f"{g.name}: {size_text(g.memory_used)} of {size_text(g.memory_total)}{util}; {held}{others}"
+    draining = f"; draining: {', '.join(g.draining)}" if g.draining else ""
+    uuid = f" {g.uuid}" if g.uuid else ""
+    return f"{g.name}{uuid}: {memory}{util}; {held}{others}{draining}"
 
 
 def state_text(view: JobView) -> Text:
@@ -297,7 +310,7 @@ def daemon_grid(info: DaemonInfo) -> Table:
     ]
     if info.pool_ready is not None:
         rows.append(("warm pool", f"{info.pool_ready} ready"))
-    rows.extend((f"gpu {g.index}", gpu_line(g)) for g in info.gpu_devices)
+    rows.extend((f"gpu {gpu_name(g.index, g.mig, '')}", gpu_line(g)) for g in info.gpu_devices)
     if info.gpu_note:
         rows.append(("gpu figures", f"unavailable: {info.gpu_note}"))
     for key, value in rows:

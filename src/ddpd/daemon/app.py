@@ -29,7 +29,7 @@ from .control.door import accept_forever
 from .control.interpreters import sweep as sweep_checks
 from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
-from .gpu.gpus import discover_async
+from .gpu.gpus import GpuInfo, daemon_devices
 from .logs import configure_logging, parse_level, set_level
 from .notify import Notifier, listen_fds
 from .pool.pool import WarmPool
@@ -49,14 +49,13 @@ _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "
                  "metrics_token", "metrics_public", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
 
 
-async def _count_gpus() -> int:
-    """GPUs through NVML (torch in a child process where NVML is missing): the daemon never
-    initialises CUDA itself."""
-    try:
-        return len(await discover_async())
-    except RuntimeError as exc:
-        log.warning("daemon.gpu_discovery_failed", error=str(exc))
-        return 0
+async def _gpus(configured: int | None) -> list[GpuInfo]:
+    """The devices to schedule (gpu.gpus.daemon_devices): the daemon never initialises CUDA itself."""
+    found, problem = await daemon_devices(configured)
+    if problem is not None:
+        log.warning("daemon.gpu_discovery_failed", error=problem)
+    log.info("daemon.gpus", gpus=[f"{g.label} {g.uuid} {g.name}".strip() for g in found])
+    return found
 
 
 class Daemon:
@@ -165,7 +164,7 @@ class Daemon:
         set_child_subreaper()
         if subtree is not None:  # interpreter checks a killed daemon left running
             await anyio.to_thread.run_sync(sweep_checks, subtree.jobs)
-        gpus = cfg.gpus if cfg.gpus is not None else await _count_gpus()
+        gpus = await _gpus(cfg.gpus)
         bus = EventBus()
         journal = Journal(db, bus)
         curves = CurveStore(journal)

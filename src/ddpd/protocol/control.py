@@ -197,21 +197,28 @@ class RankGpu(msgspec.Struct, omit_defaults=True):
     """A GPU a rank was given, and the memory the rank's own process holds on it (bytes; None where
     NVML cannot tell: no NVML, the process not on the GPU yet, or the driver hides it)."""
 
-    index: int
+    index: int  # NVML's (the parent GPU's for a MIG device), as every view names GPUs
     memory_used: int | None = None
+    uuid: str = ""  # GPU-... or MIG-...; "" where the daemon knows its GPUs by count only
+    mig: int | None = None  # the MIG device's index within GPU `index`
+    share: float | None = None  # the fraction of the GPU the rank holds (gpus_per_rank < 1); None: whole
 
 
 class GpuView(msgspec.Struct, omit_defaults=True):
     """One GPU as `ddpctl daemon` shows it: NVML's memory (bytes) and utilisation (percent, None where
     unknown), and the jobs holding it (given it by the scheduler, or with a rank's process on it)."""
 
-    index: int
+    index: int  # NVML's (the parent GPU's for a MIG device)
     name: str
-    memory_total: int
-    memory_used: int
+    memory_total: int | None  # None where NVML could not say
+    memory_used: int | None
     utilization: int | None = None
     jobs: list[str] = msgspec.field(default_factory=list)
     other_processes: int = 0  # processes on it that are no rank of a running job
+    uuid: str = ""  # GPU-... or MIG-...; "" where the daemon knows its GPUs by count only
+    mig: int | None = None  # the MIG device's index within GPU `index`
+    held: float = 0.0  # the fraction of it running jobs hold (fractional gpus_per_rank pack onto one GPU)
+    draining: list[str] = msgspec.field(default_factory=list)  # ended jobs whose ranks may still hold it
 
 
 class RankView(msgspec.Struct, omit_defaults=False):

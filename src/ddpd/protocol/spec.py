@@ -74,7 +74,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     nproc: Annotated[int, msgspec.Meta(ge=1, le=MAX_NPROC)] = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    gpus_per_rank: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    # whole GPUs per rank, or a fraction of one GPU below 1 in thousandths (0.5: two ranks share a GPU)
+    gpus_per_rank: Annotated[int, msgspec.Meta(ge=0, le=64)] | Annotated[float, msgspec.Meta(ge=0, le=64)] = 0
     steps: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 20
     seed: Int64 = 0
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
@@ -154,8 +155,7 @@ def check_spec(spec: JobSpec) -> JobSpec:
         )
     if spec.backend == "nccl" and spec.device == "cpu":
         raise SpecError("backend", "nccl needs CUDA devices; use gloo with device=cpu")
-    if spec.device == "cuda" and spec.gpus_per_rank == 0:
-        spec = msgspec.structs.replace(spec, gpus_per_rank=1)
+    spec = _check_gpus(spec)
     for key in spec.env:
         if not _ENV_NAME.match(key):
             raise SpecError(f"env.{key}", "not a valid environment variable name")
@@ -166,6 +166,36 @@ def check_spec(spec: JobSpec) -> JobSpec:
     if spec.python is not None and not spec.python.startswith("/"):
         raise SpecError("python", f"must be an absolute path to an interpreter, got {spec.python!r}")
     check_nodes(spec)
+    return spec
+
+
+GPU_SHARE = 1000  # one GPU in the unit fractions are packed in (thousandths)
+
+
+def rank_gpus(gpus_per_rank: float) -> tuple[int, int]:
+    """(devices each rank is given, thousandths of each it holds): k whole GPUs are (k, 1000), a
+    fraction f below 1 is (1, f x 1000) on one shared GPU, no GPU is (0, 0)."""
+    if gpus_per_rank <= 0:
+        return 0, 0
+    if gpus_per_rank >= 1:
+        return int(gpus_per_rank), GPU_SHARE
+    return 1, round(gpus_per_rank * GPU_SHARE)
+
+
+def _check_gpus(spec: JobSpec) -> JobSpec:
+    """gpus_per_rank is whole above 1 and counts in thousandths below; cuda (or nccl) without it is 1."""
+    value = spec.gpus_per_rank
+    if not math.isfinite(value):
+        raise SpecError("gpus_per_rank", "must be a finite number")
+    if value > 1 and value != int(value):
+        raise SpecError("gpus_per_rank", f"{value:g}: above 1 it is a whole number of GPUs per rank")
+    thousandths = value * GPU_SHARE
+    if 0 < value < 1 and (abs(thousandths - round(thousandths)) > 1e-6 or round(thousandths) < 1):
+        raise SpecError("gpus_per_rank", f"{value!r}: a fraction of a GPU counts in thousandths (0.5, 0.25, 0.125)")
+    if value == int(value) and not isinstance(value, int):
+        spec = msgspec.structs.replace(spec, gpus_per_rank=int(value))
+    if value == 0 and (spec.device == "cuda" or spec.backend == "nccl"):
+        spec = msgspec.structs.replace(spec, gpus_per_rank=1)
     return spec
 
 

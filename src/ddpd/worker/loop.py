@@ -12,8 +12,12 @@ collective runs about every `StopVote.VOTE_INTERVAL` seconds, not every step. Th
 thread carries the step counter in between, so the daemon's progress watch sees every step.
 
 The process group's timeout (how long a collective may wait before the backend gives up) is
-``DDPD_COLLECTIVE_TIMEOUT`` seconds when the daemon sets it (from the job's timeouts), else the
-join timeout.
+``DDPD_COLLECTIVE_TIMEOUT`` seconds, which the daemon sets for every job past its own hang
+diagnosis (script mode passes it too, where the script gives none), else the join timeout.
+
+A rank given GPUs (``gpus_per_rank`` > 0, device auto or cuda) on which torch finds no CUDA (a
+CPU-only wheel, a driver mismatch) fails at once, naming the cause (`require_cuda`), rather than
+training on the CPU while it holds GPUs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -42,8 +47,40 @@ COLLECTIVE_TIMEOUT_ENV = "DDPD_COLLECTIVE_TIMEOUT"
 PROGRESS_MIN, PROGRESS_MAX = 0.25, 1.0
 
 
+def cuda_unavailable() -> str | None:
+    """Why torch cannot use CUDA here (its build, the driver's complaint), or None when it can."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            return None
+    said = "; ".join(str(w.message).strip() for w in caught) or "no CUDA device is visible"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use CUDA: {said}"
+
+
+def require_cuda(spec: JobSpec) -> None:
+    """A rank given GPUs must be able to use them (device=cpu is the job's explicit choice)."""
+    if spec.gpus_per_rank <= 0 or spec.device == "cpu":
+        return
+    why = cuda_unavailable()
+    if why is not None:
+        raise RuntimeError(f"the daemon gave this rank GPUs (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}) but {why}")
+
+
+def env_collective_timeout(environ: Mapping[str, str] = os.environ) -> float | None:
+    """``DDPD_COLLECTIVE_TIMEOUT`` in seconds, None where it is unset or not a positive number."""
+    try:
+        seconds = float(environ.get(COLLECTIVE_TIMEOUT_ENV, ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
 def resolve_device(spec: JobSpec, local_rank: int) -> Any:
     """CUDA when asked for (or `auto` with GPUs given or visible), else CPU."""
+    require_cuda(spec)
     if spec.device == "auto":
         visible = spec.gpus_per_rank > 0 or "CUDA_VISIBLE_DEVICES" in os.environ
         use_cuda = visible and torch.cuda.is_available()
@@ -76,12 +113,8 @@ def run_task(runtime: Runtime, assign: Assign) -> Result:
 
 def collective_timeout(assign: Assign, environ: Mapping[str, str] = os.environ) -> float:
     """Seconds a collective may wait: ``DDPD_COLLECTIVE_TIMEOUT`` if set and valid, else the join timeout."""
-    raw = environ.get(COLLECTIVE_TIMEOUT_ENV, "")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        return assign.join_timeout
-    return seconds if math.isfinite(seconds) and seconds > 0 else assign.join_timeout
+    seconds = env_collective_timeout(environ)
+    return assign.join_timeout if seconds is None else seconds
 
 
 def connect(runtime: Runtime, assign: Assign, backend: str) -> None:

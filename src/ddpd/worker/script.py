@@ -22,6 +22,7 @@ import inspect
 import os
 import runpy
 import sys
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddpd.protocol.channel import Assign, PhaseChanged, Result
 
+from .loop import env_collective_timeout, require_cuda
 from .runtime import Runtime
 
 
@@ -52,6 +54,16 @@ def rejoin_arguments(real: Any, joins: int, args: tuple[Any, ...], kwargs: dict[
     return arguments
 
 
+def default_timeout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The script's keyword arguments with the daemon's collective timeout (``DDPD_COLLECTIVE_TIMEOUT``,
+    past its own hang diagnosis) where the script gives none: torch's default (10 min for NCCL)
+    would race the daemon's progress watch and end a waiting peer first, naming the wrong rank."""
+    seconds = env_collective_timeout()
+    if len(args) >= 3 or kwargs.get("timeout") is not None or seconds is None:
+        return kwargs
+    return {**kwargs, "timeout": timedelta(seconds=seconds)}
+
+
 def wrap_init_process_group(runtime: Runtime) -> None:
     """Report `store_connected` before and `joined` after the script's init_process_group."""
     real = c10d.init_process_group
@@ -63,6 +75,7 @@ def wrap_init_process_group(runtime: Runtime) -> None:
         joins += 1
         runtime.phase = "store_connected"
         runtime.send(PhaseChanged(phase="store_connected"))
+        kwargs = default_timeout(args, kwargs)
         if joins > 1:
             kwargs, args = rejoin_arguments(real, joins, args, kwargs), ()
         result = real(*args, **kwargs)
@@ -90,6 +103,7 @@ def run_script(runtime: Runtime, assign: Assign) -> Result:
     target, *args = spec.script
     wrap_init_process_group(runtime)
     count_optimizer_steps(runtime)
+    require_cuda(spec)
     try:
         if spec.module:
             sys.argv = [target, *args]

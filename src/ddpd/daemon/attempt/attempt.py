@@ -42,7 +42,7 @@ from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.identity import Identity, UnknownUser
 from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
 from ..contain.usertree import open_user_file
-from ..gpu.gpus import nccl_env
+from ..gpu.gpus import rank_defaults
 from ..multinode.multinode import settle, watch_nodes
 from ..multinode.nodes import NodeLayout, NodeSession
 from ..pool.pool import WarmPool
@@ -177,7 +177,7 @@ class Attempt:
         await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port, **nodes)
         launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
                                              self.limits.join, self.clock, self.pool,
-                                             defaults=nccl_env(self.timeouts, self.dir) if job.gpus else {},
+                                             defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus)),
                                              identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
                                              checkpoint_dir=self.checkpoint_dir, layout=self.layout)
         try:

@@ -35,6 +35,7 @@ from ..config import Config
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup
 from ..contain.identity import Identity, job_environment, submitted_environment
+from ..gpu.layout import OWN_DEVICES_ENV, rank_visible
 from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
 from ..pool.pool import WarmPool, end_cgroup
@@ -57,18 +58,11 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
     env = dict(base)
     if spec.environ is None or "OMP_NUM_THREADS" not in spec.environ:  # the submitter's own choice stays
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
-    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update(defaults or {})
     env.update({k: v for k, v in spec.env.items() if not is_reserved_env(k)})
-    if not job.gpus:
-        devices = ""  # a CPU job never touches a GPU the scheduler gave another job
-    elif spec.script is not None:
-        # torchrun's layout: every rank sees the job's GPUs and `cuda:LOCAL_RANK` is its own
-        # (rank r's are devices r*k .. r*k+k-1 with k = gpus_per_rank)
-        devices = ",".join(str(g) for g in job.gpus)
-    else:  # the built-in loop: each rank sees only its own GPUs, as cuda:0..
-        per = spec.gpus_per_rank
-        devices = ",".join(str(g) for g in job.gpus[rank * per : (rank + 1) * per])
+    # by UUID; a CPU job sees none (never a GPU the scheduler gave another job); a script sees the
+    # job's GPUs (torchrun's layout) and its own in DDPD_CUDA_DEVICES (see gpu.layout)
+    devices, own = rank_visible(job.gpus, spec, rank)
     lay = layout or NodeLayout(node_rank=0, nnodes=1, offset=0, world_size=n, run_id=job.id,
                                restart_count=number - 1)
     env.update({
@@ -91,6 +85,8 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
         "DDPD_JOB_ID": job.id,
         MARKER_ENV: marker,
         "CUDA_VISIBLE_DEVICES": devices,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # indices as NVML counts (UUIDs need no order)
+        OWN_DEVICES_ENV: own,
     })
     return env
 

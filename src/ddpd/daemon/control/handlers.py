@@ -166,7 +166,8 @@ async def resubmit(ctx: Context, req: Resubmit, uid: int) -> SubmitResult:
 
 async def status(ctx: Context, req: Status, uid: int) -> JobView:
     job = await _job(ctx, req.job_id)
-    view = await with_rank_gpus(positioned(job.view(), ctx.scheduler.queue_positions()), job)
+    view = await with_rank_gpus(positioned(job.view(), ctx.scheduler.queue_positions()), job,
+                                ctx.scheduler.resources)
     return visible_view(view, await _detail(ctx, uid))
 
 
@@ -243,7 +244,7 @@ async def daemon_info(ctx: Context) -> DaemonInfo:
     if info.gpus == 0:
         return info
     running = [j for j in ctx.scheduler.unended.values() if j.id in ctx.scheduler.running]
-    devices, note = await daemon_gpus(running)
+    devices, note = await daemon_gpus(running, ctx.scheduler.resources)
     return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
 
 

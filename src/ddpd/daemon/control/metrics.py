@@ -211,15 +211,32 @@ class DaemonCollector(Collector):
         total = _gauge("ddpd_gpu_memory_total_bytes", "Memory of each GPU (NVML).", labels)
         util = _gauge("ddpd_gpu_utilization_percent", "Each GPU's utilisation over the driver's last sample period.",
                       labels)
-        holder = _gauge("ddpd_gpu_job", "1 for each GPU and the running job that holds it.", ["gpu", "job_id"])
-        # a job's GPU indices count the daemon's GPUs in order (its CUDA_VISIBLE_DEVICES, else all of them)
-        held = {i: job.id for job in sched.unended.values() if job.id in sched.running for i in job.gpus}
-        for position, gpu in enumerate(self.usage.gpus):
-            key = [str(gpu.index), gpu.uuid]
-            used.add_metric(key, gpu.memory_used)
-            total.add_metric(key, gpu.memory_total)
+        holder = _gauge("ddpd_gpu_job", "1 for each GPU and each running job that holds it (or a share of it).",
+                        [*labels, "job_id"])
+        share = _gauge("ddpd_gpu_held_ratio", "The share of each GPU running jobs hold (0 to 1).", labels)
+        draining = _gauge("ddpd_gpu_draining", "1 for each GPU and each ended job whose ranks may still hold it.",
+                          [*labels, "job_id"])
+        # GPUs are named as everywhere: the NVML index (index/migN for a MIG device) and the UUID; a
+        # job holds the devices whose entries (UUIDs) its job.gpus lists
+        res = sched.resources
+        mine = {d.entry for d in res.devices}
+        held: dict[str, list[str]] = {}
+        for job in sched.unended.values():
+            if job.id in sched.running:
+                for entry in dict.fromkeys(job.gpus):
+                    held.setdefault(entry, []).append(job.id)
+        for gpu in self.usage.gpus:
+            if gpu.entry not in mine:
+                continue  # NVML lists it, the daemon does not schedule it
+            key = [gpu.label, gpu.uuid]
+            if gpu.memory_used is not None and gpu.memory_total is not None:
+                used.add_metric(key, gpu.memory_used)
+                total.add_metric(key, gpu.memory_total)
             if gpu.utilization is not None:
                 util.add_metric(key, gpu.utilization)
-            if (job_id := held.get(position)) is not None:
-                holder.add_metric([str(gpu.index), job_id], 1)
-        yield from (used, total, util, holder)
+            share.add_metric(key, res.held_share(gpu.entry))
+            for job_id in held.get(gpu.entry, []):
+                holder.add_metric([*key, job_id], 1)
+            for job_id in (j for j, entries in res.draining.items() if gpu.entry in entries):
+                draining.add_metric([*key, job_id], 1)
+        yield from (used, total, util, holder, share, draining)

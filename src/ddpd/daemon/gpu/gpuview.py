@@ -1,68 +1,79 @@
 """What `ddpctl daemon` and `status` show of the GPUs: NVML's figures mapped onto jobs and ranks.
 
-- `daemon_gpus`: each GPU's memory and utilisation (`gpus.nvml_discover`) and the jobs holding
-  it: the running jobs the scheduler gave it to, and any job with a rank's process on it
-  (`gpus.processes`); other processes on it are counted, never named (they may be anyone's).
-- `rank_gpus`: each rank's GPUs (the job's GPUs in the layout `launch` gives them, rank r's are
-  ``gpus[r*k : r*k+k]`` with k = gpus_per_rank, plus any other GPU NVML shows its process on)
-  and the memory its own process holds on each.
+Every view names a device as the scheduler does: its NVML index (and MIG index) with its UUID.
 
-The mapping (`holders`, `rank_layout`, `rank_memory`) is pure; `daemon_gpus` and
-`with_rank_gpus` ask NVML off the loop, bounded, and degrade to no figures where NVML cannot
-answer (never the torch fallback: that takes seconds, not a status request's milliseconds).
+- `daemon_gpus`: each of the daemon's devices (the scheduler's `Devices`) with NVML's current
+  memory and utilisation, the share jobs hold, the jobs holding it (the running jobs the
+  scheduler gave it to, and any job with a rank's process on it), and the ended jobs whose ranks
+  may still hold it (draining); other processes on it are counted, never named.
+- `with_rank_gpus`: each rank's devices (`layout.own_entries`: what the rank uses, also in a
+  script's ``DDPD_CUDA_DEVICES``), its share of a shared GPU, plus any other device NVML shows its
+  process on, and the memory its own process holds on each.
+
+The mapping (`holders`, `rank_memory`, `gpu_views`) is pure; `daemon_gpus` and `with_rank_gpus`
+ask NVML off the loop, bounded, and degrade to no figures where NVML cannot answer (never the
+torch fallback: that takes seconds, not a status request's milliseconds).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
 import msgspec
 
 from ...protocol.control import GpuView, JobView, RankGpu
+from ...protocol.spec import GPU_SHARE, rank_gpus
 from ..store.records import Job
-from .gpus import GpuInfo, GpuProcess, NvmlUnavailable, nvml_discover, processes
+from .gpus import GpuInfo, GpuProcess, NvmlUnavailable, nvml_discover, processes, visible
+from .layout import own_entries
 
 NVML_WAIT = 5.0  # seconds a view waits for NVML before it is shown without GPU figures
 T = TypeVar("T")
-Processes = Mapping[int, list[GpuProcess]]  # GPU index -> the processes on it
+Processes = Mapping[str, list[GpuProcess]]  # device entry -> the processes on it
 
 
-def rank_layout(gpus: list[int], nproc: int, per_rank: int) -> dict[int, list[int]]:
-    """Rank -> the GPU indices it was given (what its CUDA_VISIBLE_DEVICES starts with)."""
-    if not gpus or per_rank <= 0:
-        return {r: [] for r in range(nproc)}
-    return {r: gpus[r * per_rank:(r + 1) * per_rank] for r in range(nproc)}
+class Devices(Protocol):
+    """The scheduler's devices (queue.resources.Resources)."""
+
+    devices: list[GpuInfo]
+    draining: dict[str, list[str]]
+
+    def held_share(self, entry: str) -> float: ...
 
 
-def rank_memory(assigned: list[int], pid: int | None, procs: Processes) -> list[RankGpu]:
-    """The rank's GPUs and the memory its process holds on each (None where NVML does not list it);
-    a GPU it was not given but holds memory on is listed too (a script may pick any device it sees)."""
+def rank_memory(assigned: list[GpuInfo], pid: int | None, procs: Processes, devices: list[GpuInfo],
+                share: float | None = None) -> list[RankGpu]:
+    """The rank's devices and the memory its process holds on each (None where NVML does not list it);
+    a device it was not given but holds memory on is listed too (a script may pick any device it sees)."""
     out = []
-    for index in [*assigned, *sorted(i for i in procs if i not in assigned)]:
-        used = [p.memory_used for p in procs.get(index, []) if pid is not None and p.pid == pid]
-        if index not in assigned and not used:
+    given = {g.entry for g in assigned}
+    for gpu in [*assigned, *(d for d in devices if d.entry not in given)]:
+        used = [p.memory_used for p in procs.get(gpu.entry, []) if pid is not None and p.pid == pid]
+        if gpu.entry not in given and not used:
             continue
         known = [u for u in used if u is not None]
-        out.append(RankGpu(index=index, memory_used=sum(known) if known else None))
+        out.append(RankGpu(index=gpu.index, memory_used=sum(known) if known else None, uuid=gpu.uuid, mig=gpu.mig,
+                           share=share if gpu.entry in given else None))
     return out
 
 
-def holders(index: int, running: Iterable[Job], procs: Processes) -> tuple[list[str], int]:
-    """The jobs holding GPU `index` (given it, or a rank's process on it), and how many other
+def holders(entry: str, running: Iterable[Job], procs: Processes) -> tuple[list[str], int]:
+    """The jobs holding device `entry` (given it, or a rank's process on it), and how many other
     processes are on it."""
     rank_pids: dict[int, str] = {}
     jobs: list[str] = []
     for job in running:
-        if index in job.gpus:
+        if entry in job.gpus:
             jobs.append(job.id)
         for r in job.ranks:
             if r.pid is not None:
                 rank_pids[r.pid] = job.id
     others = 0
-    for p in procs.get(index, []):
+    for p in procs.get(entry, []):
         holder = rank_pids.get(p.pid)
         if holder is None:
             others += 1
@@ -71,17 +82,37 @@ def holders(index: int, running: Iterable[Job], procs: Processes) -> tuple[list[
     return jobs, others
 
 
-def gpu_views(infos: list[GpuInfo], running: list[Job], procs: Processes) -> list[GpuView]:
+def gpu_views(infos: list[GpuInfo], running: list[Job], procs: Processes, held: Devices | None = None) -> list[GpuView]:
     views = []
     for g in infos:
-        jobs, others = holders(g.index, running, procs)
+        jobs, others = holders(g.entry, running, procs)
+        draining = [] if held is None else [j for j, entries in held.draining.items() if g.entry in entries]
         views.append(GpuView(index=g.index, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used,
-                             utilization=g.utilization, jobs=jobs, other_processes=others))
+                             utilization=g.utilization, jobs=jobs, other_processes=others, uuid=g.uuid, mig=g.mig,
+                             held=0.0 if held is None else round(held.held_share(g.entry), 3), draining=draining))
     return views
 
 
-def _all_processes(indices: Iterable[int]) -> dict[int, list[GpuProcess]]:
-    return {i: processes(i) for i in indices}
+def current(devices: list[GpuInfo]) -> list[GpuInfo]:
+    """The devices with NVML's figures of now (by UUID; as they were where NVML does not list one).
+    Without `devices` (a daemon that did not say): those NVML lists under the daemon's own
+    ``CUDA_VISIBLE_DEVICES``. Raises NvmlUnavailable."""
+    found = nvml_discover()
+    if not devices:
+        return visible(found, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    fresh = {g.uuid: g for g in found if g.uuid}
+    return [fresh.get(d.uuid, d) if d.uuid else d for d in devices]
+
+
+def _all_processes(devices: Iterable[GpuInfo]) -> dict[str, list[GpuProcess]]:
+    """Each device's processes; a device NVML cannot answer for has none listed (the others still do)."""
+    out: dict[str, list[GpuProcess]] = {}
+    for gpu in devices:
+        try:
+            out[gpu.entry] = processes(gpu)
+        except NvmlUnavailable:
+            out[gpu.entry] = []
+    return out
 
 
 async def _nvml(call: Callable[[], T]) -> T:
@@ -89,28 +120,42 @@ async def _nvml(call: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
 
 
-async def daemon_gpus(running: list[Job]) -> tuple[list[GpuView], str | None]:
-    """Every GPU NVML sees with its holders, or ([], why not)."""
+async def daemon_gpus(running: list[Job], held: Devices | None = None) -> tuple[list[GpuView], str | None]:
+    """Every device of the daemon with its holders, or (the devices without NVML's figures, why not)."""
+    devices = [] if held is None else held.devices
     try:
-        infos = await _nvml(nvml_discover)
-        procs = await _nvml(lambda: _all_processes(g.index for g in infos))
+        infos = await _nvml(lambda: current(devices))
+        procs = await _nvml(lambda: _all_processes(infos))
     except NvmlUnavailable as exc:
-        return [], str(exc)
+        return gpu_views(devices, running, {}, held), str(exc)
     except TimeoutError:
-        return [], f"NVML did not answer within {NVML_WAIT:g} s"
-    return gpu_views(infos, running, procs), None
+        return gpu_views(devices, running, {}, held), f"NVML did not answer within {NVML_WAIT:g} s"
+    return gpu_views(infos, running, procs, held), None
 
 
-async def with_rank_gpus(view: JobView, job: Job) -> JobView:
-    """`view` with each rank's GPUs, and their memory where NVML answers (a job without GPUs: as is)."""
+def _device_of(entry: str, devices: list[GpuInfo]) -> GpuInfo:
+    found = next((d for d in devices if d.entry == entry), None)
+    if found is not None:
+        return found
+    index = int(entry) if entry.isdigit() else -1
+    return GpuInfo(index=index, name="GPU", uuid="" if entry.isdigit() else entry, memory_total=None,
+                   memory_used=None, utilization=None, source="config")
+
+
+async def with_rank_gpus(view: JobView, job: Job, held: Devices | None = None) -> JobView:
+    """`view` with each rank's devices, and their memory where NVML answers (a job without GPUs: as is)."""
     if not job.gpus or not view.ranks:
         return view
-    layout = rank_layout(job.gpus, job.spec.nproc, job.spec.gpus_per_rank)
+    devices = [] if held is None else held.devices
+    _, share = rank_gpus(job.spec.gpus_per_rank)
+    fraction = share / GPU_SHARE if 0 < share < GPU_SHARE else None
     procs: Processes = {}
     if not job.state.final:
         try:
-            procs = await _nvml(lambda: _all_processes(job.gpus))
+            procs = await _nvml(lambda: _all_processes([*devices] or [_device_of(e, []) for e in set(job.gpus)]))
         except (NvmlUnavailable, TimeoutError):
             procs = {}
-    ranks = [msgspec.structs.replace(r, gpus=rank_memory(layout.get(r.rank, []), r.pid, procs)) for r in view.ranks]
+    ranks = [msgspec.structs.replace(r, gpus=rank_memory(
+        [_device_of(e, devices) for e in own_entries(job.gpus, job.spec, r.rank)], r.pid, procs, devices, fraction))
+        for r in view.ranks]
     return msgspec.structs.replace(view, ranks=ranks)

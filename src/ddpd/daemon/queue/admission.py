@@ -43,10 +43,12 @@ async def admit(spec: JobSpec, config: Config, resources: Resources) -> JobSpec:
     await anyio.to_thread.run_sync(check_paths, spec)
     if spec.device == "cuda" and resources.total_gpus == 0:
         raise SpecError("device", "cuda was asked for but the daemon has no GPUs")
+    if spec.backend == "nccl" and resources.total_gpus == 0:
+        raise SpecError("backend", "nccl needs GPUs but the daemon has none; use gloo")
     limit = config.max_gpus_per_user
     gpus, _ = resources.need(spec)
     if limit is not None and gpus > limit:
-        raise SpecError("gpus_per_rank", f"can never run here: the job needs {gpus} GPUs and one user may hold "
+        raise SpecError("gpus_per_rank", f"can never run here: the job needs {gpus:g} GPUs and one user may hold "
                                          f"{limit} at once (max_gpus_per_user)")
     problem = resources.can_ever_fit(spec)
     if problem:
@@ -74,7 +76,7 @@ def over_user_gpus(config: Config, running: Iterable[Job], job: Job) -> bool:
     wanted, _ = Resources.need(job.spec)
     if wanted == 0:
         return False
-    held = sum(len(j.gpus) for j in running if j.owner_uid == job.owner_uid)
+    held = sum(Resources.need(j.spec)[0] for j in running if j.owner_uid == job.owner_uid)
     return held + wanted > limit
 
 

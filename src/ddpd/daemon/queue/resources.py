@@ -1,50 +1,112 @@
-"""What the machine lends to jobs: GPUs (by index) and CPU slots; a job takes all it needs or waits."""
+"""What the machine lends to jobs: GPU devices (by UUID, in shares) and CPU slots; a job takes all it needs or waits.
+
+Each device is counted in thousandths (`GPU_SHARE`): a rank with k whole GPUs takes k devices
+wholly free; a rank with a fraction f takes f of one device, packed onto the fullest device
+that still has room (so fractions fill one GPU before they spread to the next). `take` returns
+the job's devices in rank order (`gpu.layout`), entries repeated where ranks share a device.
+
+GPUs of an ended job whose ranks may still hold them (a rank reported unkillable, or NVML still
+listing a rank's process) are *draining*: `hold` keeps them off the free list under the job's id
+until `give_back`.
+"""
 
 from __future__ import annotations
 
+import math
+
 from ...protocol import JobSpec
+from ...protocol.spec import GPU_SHARE, rank_gpus
+from ..gpu.gpus import GpuInfo, unnamed
 
 
 class Resources:
-    """GPUs (by index) and CPU slots; a job takes all it needs or waits."""
+    """GPU devices (by `GpuInfo.entry`) and CPU slots; a job takes all it needs or waits."""
 
-    def __init__(self, gpus: int, cpu_slots: int) -> None:
-        self.total_gpus = gpus
-        self.free_gpus = list(range(gpus))
+    def __init__(self, gpus: list[GpuInfo] | int, cpu_slots: int) -> None:
+        self.devices = unnamed(gpus) if isinstance(gpus, int) else list(gpus)
+        self.free_share = {d.entry: GPU_SHARE for d in self.devices}  # thousandths not held
+        self.draining: dict[str, list[str]] = {}  # job id -> the entries its dying ranks may hold
         self.total_cpu = cpu_slots
         self.free_cpu = cpu_slots
 
+    @property
+    def total_gpus(self) -> int:
+        return len(self.devices)
+
+    @property
+    def free_gpus(self) -> list[str]:
+        """The devices no job holds any share of."""
+        return [e for e, free in self.free_share.items() if free == GPU_SHARE]
+
+    def device(self, entry: str) -> GpuInfo | None:
+        return next((d for d in self.devices if d.entry == entry), None)
+
     @staticmethod
-    def need(spec: JobSpec) -> tuple[int, int]:
+    def need(spec: JobSpec) -> tuple[float, int]:
         """(GPUs, CPU slots) a job holds while it runs: a GPU job's ranks wait on their devices."""
-        gpus = spec.nproc * spec.gpus_per_rank
+        k, share = rank_gpus(spec.gpus_per_rank)
+        gpus = spec.nproc * k * share / GPU_SHARE
         return gpus, (0 if gpus else spec.nproc)
 
     def can_ever_fit(self, spec: JobSpec) -> str | None:
-        gpus, cpu = self.need(spec)
-        if gpus > self.total_gpus:
-            return (f"needs {gpus} GPUs ({spec.nproc} ranks x {spec.gpus_per_rank}) but the daemon has "
+        k, share = rank_gpus(spec.gpus_per_rank)
+        devices = spec.nproc * k if share in (0, GPU_SHARE) else math.ceil(spec.nproc / (GPU_SHARE // share))
+        if devices > self.total_gpus:
+            return (f"needs {devices} GPUs ({spec.nproc} ranks x {spec.gpus_per_rank:g}) but the daemon has "
                     f"{self.total_gpus}")
+        cpu = self.need(spec)[1]
         if cpu > self.total_cpu:
             return f"needs {cpu} CPU slots ({spec.nproc} ranks) but the daemon has {self.total_cpu}"
         return None
 
-    def take(self, spec: JobSpec) -> list[int] | None:
-        """The GPU indices given to the job (empty for a CPU job), or None when it must wait."""
-        gpus, cpu = self.need(spec)
-        if gpus > len(self.free_gpus) or cpu > self.free_cpu:
+    def _place(self, spec: JobSpec) -> list[str] | None:
+        """Each rank's devices, in rank order, on a copy of the free shares; None where they do not fit."""
+        k, share = rank_gpus(spec.gpus_per_rank)
+        free = dict(self.free_share)
+        placed: list[str] = []
+        for _ in range(spec.nproc):
+            fits = sorted((e for e, f in free.items() if f >= share), key=lambda e: free[e] if share < GPU_SHARE else 0)
+            if len(fits) < k:
+                return None
+            for entry in fits[:k]:
+                free[entry] -= share
+                placed.append(entry)
+        return placed
+
+    def take(self, spec: JobSpec) -> list[str] | None:
+        """The devices given to the job, rank by rank (empty for a CPU job), or None when it must wait."""
+        _, cpu = self.need(spec)
+        if cpu > self.free_cpu:
             return None
-        taken, self.free_gpus = self.free_gpus[:gpus], self.free_gpus[gpus:]
+        placed = self._place(spec)
+        if placed is None:
+            return None
+        _, share = rank_gpus(spec.gpus_per_rank)
+        for entry in placed:
+            self.free_share[entry] -= share
         self.free_cpu -= cpu
-        return taken
+        return placed
 
     def busy_cpu(self) -> int:
         """CPU slots held by running jobs (ranks that occupy a CPU; GPU jobs mostly wait on their devices)."""
         return self.total_cpu - self.free_cpu
 
-    def give_back(self, spec: JobSpec, gpus: list[int]) -> None:
-        self.free_gpus = sorted(self.free_gpus + gpus)
+    def hold(self, job_id: str, gpus: list[str]) -> None:
+        """The job's devices are draining: still held, shown under the job's id until `give_back`."""
+        self.draining[job_id] = list(dict.fromkeys(gpus))
+
+    def give_back(self, spec: JobSpec, gpus: list[str], job_id: str | None = None) -> None:
+        _, share = rank_gpus(spec.gpus_per_rank)
+        for entry in gpus:
+            if entry in self.free_share:
+                self.free_share[entry] = min(GPU_SHARE, self.free_share[entry] + share)
+        if job_id is not None:
+            self.draining.pop(job_id, None)
         self.free_cpu += self.need(spec)[1]
+
+    def held_share(self, entry: str) -> float:
+        """The fraction of a device jobs hold (0 to 1)."""
+        return 1 - self.free_share.get(entry, GPU_SHARE) / GPU_SHARE
 
     def resize_cpu(self, cpu_slots: int) -> None:
         """A reload changed cpu_slots: free slots may go negative until running jobs give theirs back."""

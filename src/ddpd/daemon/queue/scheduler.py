@@ -26,6 +26,7 @@ from ..attempt.attempt import Attempt, Outcome
 from ..config import Config
 from ..contain.cgroups import Subtree
 from ..contain.usertree import remove_job_dir
+from ..gpu.drain import drain_job
 from ..multinode.elastic import NodeError, check_endpoint
 from ..multinode.nodes import NodeSession
 from ..pool.pool import WarmPool
@@ -62,6 +63,7 @@ class Scheduler:
         self._idle = anyio.Event()
         self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
         self.retention = Retention(journal, config.retention, clock)
+        self._tg: anyio.abc.TaskGroup | None = None  # run's: where draining GPUs are waited for
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class Scheduler:
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         tg.start_soon(self.retention.run, self._prune)
+        self._tg = tg
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -235,14 +238,29 @@ class Scheduler:
             with anyio.CancelScope(shield=True):
                 await self._fail_internal(job, exc)
         finally:
-            self.resources.give_back(job.spec, job.gpus)
-            job.gpus = []
+            self._release(job)
             self.running.discard(job.id)
             self.attempts.pop(job.id, None)
             if not self.running:
                 self._idle.set()
             if self.pool is not None:
                 self.pool.poke()
+            self._notify()
+
+    def _release(self, job: Job) -> None:
+        """The job's CPU slots go back now, its GPUs once nothing of it can hold them (gpu.drain)."""
+        gpus, job.gpus = job.gpus, []
+        if not gpus or self._tg is None:
+            self.resources.give_back(job.spec, gpus)
+            return
+        self.resources.hold(job.id, gpus)
+        self._tg.start_soon(self._drain, job, gpus)
+
+    async def _drain(self, job: Job, gpus: list[str]) -> None:
+        try:
+            await drain_job(job, [d for e in dict.fromkeys(gpus) if (d := self.resources.device(e))], self.journal)
+        finally:
+            self.resources.give_back(job.spec, gpus, job.id)
             self._notify()
 
     async def _attempts(self, job: Job) -> None:

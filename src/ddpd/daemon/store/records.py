@@ -82,7 +82,7 @@ class Job:
     store_port: int | None = None
     finished: anyio.Event = field(default_factory=anyio.Event)
     cancel_requested: str | None = None  # why, once asked
-    gpus: list[int] = field(default_factory=list)
+    gpus: list[str] = field(default_factory=list)  # each rank's devices, in rank order (gpu.layout)
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
     nodes: list[NodeView] = field(default_factory=list)  # a multi-node job's nodes, as this daemon knows them
     waiting_on: list[str] | None = None  # dependencies not yet ended, as last looked at (None: not yet)
