@@ -133,6 +133,29 @@ def test_migration_adds_the_idempotency_key(tmp_path: Path) -> None:
         db.close()
 
 
+def test_migration_drops_the_attempt_columns_nothing_wrote(tmp_path: Path) -> None:
+    path = tmp_path / "ddpd.db"
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE attempts (job_id TEXT NOT NULL, attempt INTEGER NOT NULL, pgid INTEGER, "
+                "store_port INTEGER, token TEXT NOT NULL, started_at REAL NOT NULL, ended_at REAL, root_cause TEXT, "
+                "PRIMARY KEY (job_id, attempt))")
+    old.execute("INSERT INTO attempts (job_id, attempt, pgid, token, started_at) VALUES ('j1-abcd', 1, 42, 't', 1.5)")
+    old.execute("PRAGMA user_version=2")
+    old.commit()
+    old.close()
+    db = StateDB(path)
+    try:
+        cols = [r[1] for r in db.run_sync(lambda c: c.execute("PRAGMA table_info(attempts)").fetchall())]
+        assert cols == ["job_id", "attempt", "pgid", "store_port", "token", "started_at", "cgroup"]
+        rows = db.run_sync(lambda c: c.execute("SELECT job_id, attempt, pgid, token FROM attempts").fetchall())
+        assert [tuple(r) for r in rows] == [("j1-abcd", 1, 42, "t")]
+        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == 3
+    finally:
+        db.close()
+    again = StateDB(path)  # a second start finds nothing to do
+    again.close()
+
+
 async def test_same_key_same_owner_is_one_row(journal: Journal) -> None:
     await journal.create_job(make_job(1, key="k"))
     await journal.create_job(make_job(2, key="k", owner=1001))  # another owner may use the same key

@@ -23,7 +23,7 @@ from .errors import StorageError
 T = TypeVar("T")
 
 BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -49,8 +49,6 @@ CREATE TABLE IF NOT EXISTS attempts (
     store_port INTEGER,
     token TEXT NOT NULL,
     started_at REAL NOT NULL,
-    ended_at REAL,
-    root_cause TEXT,
     PRIMARY KEY (job_id, attempt)
 );
 CREATE TABLE IF NOT EXISTS ranks (
@@ -89,6 +87,8 @@ CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 
 # columns added after the first release: (table, column, declaration)
 MIGRATIONS = (("jobs", "idempotency_key", "TEXT"), ("attempts", "cgroup", "TEXT"))
+# columns of the first release that nothing ever wrote or read, dropped from databases that have them
+RETIRED = (("attempts", "ended_at"), ("attempts", "root_cause"))
 INDEXES = """
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key);
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at);
@@ -147,9 +147,16 @@ class StateDB:
 
 
 def migrate(conn: sqlite3.Connection) -> None:
-    """Bring a database of an earlier release to this schema (columns are only ever added)."""
+    """Bring a database of an earlier release to this schema: columns added, and the retired ones
+    (never written, never read, no index on them) dropped; rows are kept."""
     for table, column, decl in MIGRATIONS:
-        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-        if column not in have:
+        if column not in _columns(conn, table):
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    for table, column in RETIRED:
+        if column in _columns(conn, table):
+            conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     conn.executescript(INDEXES)
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
