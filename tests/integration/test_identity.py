@@ -26,8 +26,8 @@ from ddpd.client import AsyncClient, JobSpec, RemoteError
 from ddpd.daemon.contain.identity import Identity
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
-from ..scripts.userpython import USER_PYTHON, user_env, why_unusable
-from .users import public_dir, two_users
+from ..scripts.userpython import USER_PYTHON, user_env
+from .users import public_dir, two_users, user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,
@@ -41,9 +41,7 @@ TIMEOUT = 180
 
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[Identity, Identity]]:
-    if (why := why_unusable()) is not None:
-        pytest.skip(why)
-    with two_users("ddpdw") as pair:
+    with user_python_for_tests(), two_users("ddpdw") as pair:
         yield pair
 
 

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -19,7 +20,8 @@ from ddpd.protocol import JobState
 
 from ..conftest import REPO, DaemonProc, running_daemon
 from ..scripts.helpers import gated, wait_waiting_at_gate
-from ..scripts.userpython import USER_PYTHON, user_env, why_unusable
+from ..scripts.userpython import USER_PYTHON, user_env
+from .users import user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,
@@ -45,9 +47,13 @@ def _config(base: Path, text: str) -> Path:
     return path
 
 
-async def test_only_the_owner_or_root_may_cancel(short_tmp: Path) -> None:
-    if (why := why_unusable()) is not None:
-        pytest.skip(why)
+@pytest.fixture
+def checkout_for_users() -> Iterator[None]:
+    with user_python_for_tests():
+        yield
+
+
+async def test_only_the_owner_or_root_may_cancel(short_tmp: Path, checkout_for_users: None) -> None:
     gate = short_tmp / "gate"
     config = _config(short_tmp, 'socket_mode = "0666"\n')
     async with running_daemon(short_tmp, "--config", str(config), "--cpu-slots", "1", "--gpus", "0") as d:

@@ -27,7 +27,8 @@ def user_env(**extra: str) -> dict[str, str]:
 
 
 def why_unusable() -> str | None:
-    """Why USER_PYTHON cannot serve here (then the test skips with this reason), or None."""
+    """Why USER_PYTHON cannot serve here, or None (tests.integration.users.user_python_for_tests opens
+    the checkout to other users first)."""
     if not os.access(USER_PYTHON, os.X_OK):
         return f"{USER_PYTHON} (a python other users can run) is not installed"
     for path in user_pythonpath().split(os.pathsep):
@@ -36,4 +37,7 @@ def why_unusable() -> str | None:
             if not os.stat(p).st_mode & 0o001:
                 return f"{p} is not traversable by other users; no interpreter for them has torch and ddpd"
             p = p.parent
+    for module in (REPO / "src" / "ddpd" / "__init__.py", Path(sysconfig.get_paths()["purelib"]) / "torch"):
+        if module.exists() and not os.stat(module).st_mode & 0o004:
+            return f"{module} is not readable by other users (a checkout made under umask 077?)"
     return None
