@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             exit_status(runtime, exc, assign.spec.script is not None)
     except BaseException as exc:
         fail(runtime, exc, 1)
-    runtime.phase = "done"
+    runtime.finished()
     runtime.send(result)
     hold_store(runtime, assign)
     finish(runtime, 0)

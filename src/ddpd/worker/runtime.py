@@ -130,6 +130,13 @@ class Runtime:
             self._progress_tokens -= 1.0
             self.send(Progress(step=step, loss=loss))
 
+    def finished(self) -> None:
+        """The task or script returned: tell the daemon once, before anything runs on the way out, so
+        that a rank silent from now on is reported as stuck at exit, not in its work."""
+        if self.phase != "done":
+            self.phase = "done"
+            self.send(PhaseChanged(phase="done"))
+
     def training(self) -> None:
         """The first step is done: tell the daemon (the progress timeout applies from now on)."""
         if self.phase != "training":

@@ -3,7 +3,7 @@
 The daemon has put torchrun's variables in the environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True, ...). The script runs as
 ``__main__`` with its own ``sys.argv``; ``init_process_group`` is wrapped so the daemon sees
-the rank join; a process group the script leaves behind is destroyed. A script may call
+the rank join. A script may call
 ``init_process_group`` again after destroying its group (an evaluation loop): each re-join
 rendezvouses in the job's store under a prefix of its own (`rejoin_arguments`).
 
@@ -13,6 +13,14 @@ hang detection work for an unmodified script; its first counted step makes the r
 A script that calls ``ddpd.worker.api.report`` is counted by its reports from then on. A script
 that never steps an optimizer (an evaluation) and never reports has no step counter: the
 progress timeout does not apply to it (the heartbeat and wall-time limits still do).
+
+Nothing the script leaves is destroyed before the rank leaves with ``os._exit``: its globals (the
+module dict ``runpy`` returns, or the frames of a ``SystemExit`` mid-script), and every process
+group it created, even one it destroyed (`keep_process_groups`). Freeing a DDP model after its
+group was destroyed runs gloo's destructor under the GIL while a gloo thread waits for the GIL
+(torch 2.13: ``Reducer::~Reducer`` -> ``ProcessGroupGloo::~ProcessGroupGloo``): the rank hangs at
+exit with its heartbeat thread starved. A group the script left initialized is left so; the
+rank tells the daemon it finished (``PhaseChanged("done")``) before anything else runs.
 """
 
 from __future__ import annotations
@@ -87,6 +95,20 @@ def wrap_init_process_group(runtime: Runtime) -> None:
     c10d.init_process_group = init_process_group
 
 
+def keep_process_groups(runtime: Runtime) -> None:
+    """Keep every process group the script destroys alive until `os._exit` (see the module's doc):
+    `destroy_process_group` only unregisters it, as before, and nothing frees it afterwards."""
+    real = c10d.destroy_process_group
+
+    @functools.wraps(real)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        runtime.keepalive.extend(list(c10d._world.pg_map))
+        return real(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+    c10d.destroy_process_group = destroy_process_group
+
+
 def count_optimizer_steps(runtime: Runtime) -> Any:
     """Count every optimizer step of the script (the hook's handle: `.remove()` stops it)."""
 
@@ -102,21 +124,27 @@ def run_script(runtime: Runtime, assign: Assign) -> Result:
         raise ValueError("script mode without a script")
     target, *args = spec.script
     wrap_init_process_group(runtime)
+    keep_process_groups(runtime)
     count_optimizer_steps(runtime)
     require_cuda(spec)
     try:
-        if spec.module:
-            sys.argv = [target, *args]
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            path = os.path.abspath(target)
-            sys.argv = [path, *args]
-            sys.path.insert(0, os.path.dirname(path))
-            runpy.run_path(path, run_name="__main__")
+        runtime.keepalive.append(execute(target, args, spec.module))
     except SystemExit as exc:
+        runtime.keepalive.append(exc)  # its traceback holds the script's frames, and so its globals
         if exc.code not in (None, 0):
             raise
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    runtime.finished()
+    runtime.keepalive.extend(list(c10d._world.pg_map))
     return Result(steps=runtime.step, loss=runtime.loss)
+
+
+def execute(target: str, args: list[str], module: bool) -> dict[str, Any]:
+    """Run the script as ``__main__``; its globals (which the caller keeps: freeing them is what hangs)."""
+    if module:
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.getcwd())
+        return runpy.run_module(target, run_name="__main__", alter_sys=True)
+    path = os.path.abspath(target)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    return runpy.run_path(path, run_name="__main__")

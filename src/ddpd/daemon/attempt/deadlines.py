@@ -6,7 +6,8 @@ attempt's monotonic time:
 
 - join: every rank JOINED (or further) within `join` seconds of the attempt's start; the ranks
   furthest behind are named (`join_timeout`);
-- heartbeat: a live rank that sent no frame at all for `heartbeat` seconds (`heartbeat_timeout`);
+- heartbeat: a live rank that sent no frame at all for `heartbeat` seconds (`heartbeat_timeout`;
+  a rank that had said its task or script returned is named as stuck at exit);
   after MISSED_HEARTBEATS intervals of silence it is reported once (`Verdict.missed`);
 - progress: a rank's step counter frozen for `progress` seconds once it trains (the built-in loop
   from JOINED on, with at least `join` between joining and the first step) (`progress_timeout`);
@@ -53,6 +54,7 @@ class RankClock:
     step: int = 0
     exited: bool = False
     missed_reported: float | None = None  # the last_frame whose silence was already reported
+    finished: bool = False  # it said its task or script returned (phase "done")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
             if now >= at:
                 return Verdict(Outcome(JobState.TIMED_OUT, "heartbeat_timeout", RootCause(
                     reason="heartbeat_timeout", attempt=watch.number, rank=r.rank, phase=r.state.value,
-                    detail=f"rank {r.rank} sent nothing for {now - r.last_frame:.1f}s"), hang=True))
+                    detail=_silent(r, watch, now - r.last_frame)), hang=True))
             deadlines.append(at)
     if (outcome := _progress(limits, watch, live, now, deadlines)) is not None:
         return Verdict(outcome)
@@ -117,6 +119,13 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
         if not warn:
             deadlines.append(warn_at)
     return Verdict(None, min(deadlines) if deadlines else None, tuple(missed), warn)
+
+
+def _silent(r: RankClock, watch: Watch, seconds: float) -> str:
+    if r.finished:
+        work = "script" if watch.script else "task"
+        return f"rank {r.rank} finished its {work}, then sent nothing for {seconds:.1f}s (stuck at exit)"
+    return f"rank {r.rank} sent nothing for {seconds:.1f}s"
 
 
 def _progress(limits: Limits, watch: Watch, live: list[RankClock], now: float,

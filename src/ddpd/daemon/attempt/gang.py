@@ -109,7 +109,7 @@ class RankGang:
         while self.clock.monotonic() < deadline:
             for h in handles:
                 if h.rank.rank not in self.stack_sites:
-                    site = locate(h.rank.rank, await self._tail(h, sizes[h.rank.rank]))
+                    site = locate(h.rank.rank, await self._tail(h, sizes[h.rank.rank]), h.finished)
                     if site is not None:
                         self.stack_sites[h.rank.rank] = site
             if all(h.rank.rank in self.stack_sites for h in handles):

@@ -98,6 +98,7 @@ class RankHandle:
     failure: Failure | None = None
     failures: int = 0
     rejoins: int = 0  # init_process_group calls after the first (a script that destroys and re-inits)
+    finished: bool = False  # it said its task or script returned (phase "done"): now on its way out
     failed_at: float | None = None
     state_at_failure: str | None = None
     signals_before_exit: frozenset[str] = frozenset()
@@ -116,7 +117,8 @@ class RankHandle:
     def clock_view(self) -> RankClock:
         r = self.rank
         return RankClock(rank=r.rank, state=r.state, last_frame=r.last_frame, last_step_change=r.last_step_change,
-                         step=r.step, exited=self.exit is not None, missed_reported=self.missed_reported)
+                         step=r.step, exited=self.exit is not None, missed_reported=self.missed_reported,
+                         finished=self.finished)
 
 
 class RankContext(Protocol):
@@ -217,6 +219,8 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             rank.last_step_change = now  # DDP is built: the progress clock starts over
             if rank.state is RankState.JOINED:
                 await journal.rank_state(job, rank, RankState.TRAINING)
+        case PhaseChanged(phase="done"):
+            h.finished = True  # a silence from now on is a stall at exit (deadlines, rootcause)
         case PhaseChanged():
             pass
         case Checkpointed(step=step, path=path):

@@ -107,6 +107,7 @@ class StackSite:
     rank: int
     innermost: Frame
     where: Frame  # the innermost frame in the job's or ddpd's own code (not the stdlib, not a library)
+    finished: bool = False  # the rank had said its task or script returned: it is on its way out
 
     @property
     def in_torch(self) -> bool:
@@ -114,6 +115,8 @@ class StackSite:
         return f"{os.sep}torch{os.sep}" in self.innermost.path
 
     def describe(self) -> str:
+        if self.finished:  # after the work, ddpd's own exit path runs: its innermost frame is the news
+            return f"rank {self.rank} stuck at exit in {self.innermost}"
         if self.in_torch:
             return f"rank {self.rank} waiting in torch ({self.innermost.func}) at {self.where}"
         return f"rank {self.rank} stuck at {self.where}"
@@ -141,7 +144,7 @@ def _user_code(frame: Frame) -> bool:
     return not frame.path.startswith(_LIBRARY) and _DDPD not in frame.path
 
 
-def locate(rank: int, dump: str) -> StackSite | None:
+def locate(rank: int, dump: str, finished: bool = False) -> StackSite | None:
     """Where the rank's main thread is: a task's innermost frame in its own code or ddpd's loop; a
     script's innermost frame in the script's code (never ddpd's wrappers, runpy or torch)."""
     frames = main_thread_stack(dump)
@@ -152,7 +155,7 @@ def locate(rank: int, dump: str) -> StackSite | None:
     if not own and script:  # a script installed as a library (-m mypkg.train): its first frame under runpy
         first = next((i for i, f in enumerate(frames) if f.path.endswith(_RUNPY)), 0)
         own = frames[first - 1:first] if first > 0 else []
-    return StackSite(rank=rank, innermost=frames[0], where=own[0] if own else frames[0])
+    return StackSite(rank=rank, innermost=frames[0], where=own[0] if own else frames[0], finished=finished)
 
 
 def _order(named: list[int], sites: dict[int, StackSite], steps: dict[int, int]) -> list[int]:
