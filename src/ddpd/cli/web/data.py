@@ -1,10 +1,12 @@
 """What the pages ask the daemon, through the async client, as the user who runs `ddpctl web`.
 
 The jobs page's filters (state, owner) are applied here over the daemon's pages (`list`, newest
-first): without a filter one page of the daemon is one page of the view; with one, daemon pages are
-read until a view page is full or `SCAN_LIMIT` jobs were looked at, and the cursor says where the
-next view page starts. Query values come from the URL: each is checked and a bad one is a
-`BadQuery` naming it.
+first): without a filter one page of the daemon is one page of the view; with one, daemon pages
+(the view's size, then twice as large each time, up to the daemon's limit) are read until a view
+page is full or `SCAN_LIMIT` jobs were looked at, and the cursor says where the next view page
+starts (a view page may hold a few more rows than asked for, never a job twice).
+
+Query values come from the URL: each is checked, and a bad one is a `BadQuery` naming it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from ddpd.client import AsyncClient, CurveResult, DaemonInfo, JobState, JobView,
 
 PAGE_SIZE = 50  # rows of the jobs page
 MAX_PAGE = 500  # the daemon's own page limit
-SCAN_PAGE = 200  # daemon page size while filtering
 SCAN_LIMIT = 5000  # jobs looked at for one filtered page at most
 INT64_MAX = 2**63 - 1
 MAX_RANK = 1023  # the protocol's bound on a job's ranks, less one (the daemon checks it again)
@@ -101,14 +102,15 @@ async def jobs_page(client: AsyncClient, flt: JobFilter) -> JobsPage:
         return JobsPage(page.jobs, page.next, len(page.jobs))
     active_only = flt.state in ACTIVE
     found: list[JobView] = []
-    cursor, scanned = flt.before, 0
+    cursor, scanned, size = flt.before, 0, flt.limit
     while len(found) < flt.limit and scanned < SCAN_LIMIT:
-        page = await client.list_page(all=not active_only, limit=max(flt.limit, SCAN_PAGE), before=cursor)
+        page = await client.list_page(all=not active_only, limit=size, before=cursor)
         found.extend(job for job in page.jobs if flt.matches(job))
         scanned += len(page.jobs)
         cursor = page.next
         if cursor is None or not page.jobs:
             break
+        size = min(size * 2, MAX_PAGE)  # matches are sparse: fewer, larger reads
     return JobsPage(found, cursor, scanned)
 
 

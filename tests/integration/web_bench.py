@@ -1,0 +1,69 @@
+"""How fast `ddpctl web` serves its pages with many jobs in history (not a test: a measurement).
+
+    .venv/bin/python -m tests.integration.web_bench [JOBS]
+
+A real daemon gets a gated job holding both CPU slots, then JOBS (1000) jobs, each submitted and
+cancelled while queued; a real `ddpctl web` then serves each page 15 times and the median and
+worst time of each are printed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+
+from ..conftest import DaemonProc, running_daemon
+from .webserver import web_server
+
+ROUNDS = 15
+
+
+async def _history(d: DaemonProc, jobs: int) -> None:
+    limit = anyio.Semaphore(8)
+
+    async def one(i: int) -> None:
+        async with limit:
+            await d.client.cancel(await d.client.submit(d.spec(nproc=1, steps=2, name=f"history-{i}")))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(jobs):
+            tg.start_soon(one, i)
+
+
+async def main(jobs: int) -> None:
+    base = Path(tempfile.mkdtemp(prefix="ddpd-b"))
+    gate = base / "gate"
+    async with running_daemon(base, "--cpu-slots", "2") as d:
+        blocker = await d.client.submit(d.spec(task="tests.scripts.gated:make_task", nproc=2, steps=2,
+                                               options={"gate": str(gate)}))
+        start = time.perf_counter()
+        await _history(d, jobs)
+        print(f"{jobs} jobs submitted and cancelled in {time.perf_counter() - start:.1f}s")
+        async with web_server(d.socket) as web, httpx.AsyncClient(timeout=30) as http:
+            pages = {"jobs (50 rows)": web.at("/"), "jobs, state=CANCELLED": web.at("/", state="CANCELLED"),
+                     "jobs, state=SUCCEEDED (none)": web.at("/", state="SUCCEEDED"),
+                     "jobs, user=root": web.at("/", user="root"), "jobs (500 rows)": web.at("/", limit="500"),
+                     "/api/jobs": web.at("/api/jobs"), "daemon": web.at("/daemon"),
+                     "a job": web.at(f"/jobs/{blocker}")}
+            for label, url in pages.items():
+                times = []
+                for _ in range(ROUNDS):
+                    begin = time.perf_counter()
+                    reply = await http.get(url)
+                    times.append((time.perf_counter() - begin) * 1000)
+                    assert reply.status_code == 200, reply.text
+                print(f"{label:30s} median {statistics.median(times):6.1f} ms  worst {max(times):6.1f} ms  "
+                      f"({len(reply.content)} bytes)")
+        gate.touch()
+        with anyio.fail_after(120):
+            await d.client.wait(blocker)
+
+
+if __name__ == "__main__":
+    anyio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
