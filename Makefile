@@ -33,6 +33,15 @@ test: lint
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
+# the browser tier (tests/browser): headless Chromium from Debian driven by Selenium; `make test`
+# skips it where no browser is installed
+.PHONY: browser-test
+browser-test: setup
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+	$(BIN)/pip install -q -e '.[dev,browser]'
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/browser
+
 bench: setup
 	$(BIN)/python -m benchmarks
 
