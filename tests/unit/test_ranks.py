@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, cast
 
 from ddpd.daemon.attempt.launch import rank_env
-from ddpd.daemon.attempt.outcome import bounded
 from ddpd.daemon.attempt.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
 from ddpd.daemon.attempt.rendezvous import Rendezvous
 from ddpd.daemon.contain.procs import Exit
@@ -88,7 +87,7 @@ def test_the_worker_command_line_round_trips() -> None:
 def test_stored_root_causes_are_clipped_head_and_tail() -> None:
     """Bug: a 400 KB exception message made every status and ls reply exceed the frame limit."""
     huge = "KeyError: " + "k" * 400_000 + " at the end"
-    cause = bounded(RootCause(reason="rank_failed", detail=huge, message=huge, traceback=huge))
+    cause = RootCause(reason="rank_failed", detail=huge, message=huge, traceback=huge).clipped()
     for text in (cause.detail, cause.message, cause.traceback):
         assert text is not None and len(text) <= TEXT_LIMIT
         assert text.startswith("KeyError: ") and text.endswith(" at the end")

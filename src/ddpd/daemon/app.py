@@ -34,6 +34,7 @@ from .logs import configure_logging, parse_level, set_level
 from .notify import Notifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
+from .queue.lifecycle import ACTIVE
 from .queue.resources import Resources
 from .queue.scheduler import Scheduler
 from .store.bus import EventBus
@@ -43,7 +44,6 @@ from .store.state import StateDB
 
 log = structlog.get_logger("ddpd")
 
-_ACTIVE = (JobState.STARTING, JobState.RUNNING, JobState.RESTARTING)
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
                  "metrics_token", "metrics_public", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
@@ -76,7 +76,7 @@ class Daemon:
         if self.scheduler is None:
             return 0, 0
         states = [j.state for j in self.scheduler.jobs.values()]
-        return sum(s in _ACTIVE for s in states), states.count(JobState.QUEUED)
+        return sum(s in ACTIVE for s in states), states.count(JobState.QUEUED)
 
     def info(self) -> DaemonInfo:
         assert self.scheduler is not None

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
+from .limits import clip_text
 from .logquery import MAX_TAIL
 from .nodes import NodeView
 from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
@@ -191,6 +192,13 @@ class RootCause(msgspec.Struct, omit_defaults=True):
     traceback: str | None = None
     ranks: list[int] | None = None
     detail: str | None = None
+
+    def clipped(self) -> RootCause:
+        """This cause with its texts clipped, head and tail kept (`reason` to 200 characters, the others
+        to TEXT_LIMIT): what is stored and shown in every reply; the whole text stays in the rank log."""
+        return msgspec.structs.replace(self, reason=clip_text(self.reason, 200), **{
+            k: clip_text(v) for k in ("phase", "error", "message", "traceback", "detail", "signal")
+            if isinstance(v := getattr(self, k), str)})
 
 
 class RankGpu(msgspec.Struct, omit_defaults=True):

@@ -70,8 +70,13 @@ class RankState(enum.StrEnum):
     TRAINING = "TRAINING"
     EXITED = "EXITED"
 
+    @property
+    def order(self) -> int:
+        """Its place along the machine (SPAWNED 0 ... EXITED 5): how far a rank got."""
+        return _RANK_ORDER[self]
 
-_RANK_ORDER = list(RankState)
+
+_RANK_ORDER = {state: n for n, state in enumerate(RankState)}
 
 
 class TransitionError(ValueError):
@@ -87,7 +92,7 @@ def check_job_transition(old: JobState, new: JobState) -> JobState:
 def is_rejoin(old: RankState, new: RankState) -> bool:
     """A join phase (STORE_CONNECTED or JOINED) again, at or after it: a repeated init_process_group."""
     return (new in (RankState.STORE_CONNECTED, RankState.JOINED) and old is not RankState.EXITED
-            and _RANK_ORDER.index(new) <= _RANK_ORDER.index(old))
+            and new.order <= old.order)
 
 
 def check_rank_transition(old: RankState, new: RankState) -> RankState:
@@ -96,6 +101,6 @@ def check_rank_transition(old: RankState, new: RankState) -> RankState:
         raise TransitionError(f"illegal rank transition {old} -> {new}")
     if new is RankState.TRAINING and old is RankState.TRAINING:
         return new
-    if _RANK_ORDER.index(new) <= _RANK_ORDER.index(old):
+    if new.order <= old.order:
         raise TransitionError(f"illegal rank transition {old} -> {new}")
     return new

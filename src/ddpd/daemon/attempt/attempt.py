@@ -53,7 +53,7 @@ from .clock import Clock, RealClock, wait_until
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .launch import Launcher
-from .outcome import Outcome, bounded
+from .outcome import Outcome
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
 from .rendezvous import Rendezvous, RendezvousError, hand_over, open_rendezvous
 from .rootcause import Evidence, explain_hang, pick_root_cause
@@ -215,7 +215,7 @@ class Attempt:
             outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites,
                                               {h.rank.rank: h.rank.step for h in self.handles})
         if outcome.root_cause is not None:
-            outcome.root_cause = bounded(outcome.root_cause)
+            outcome.root_cause = outcome.root_cause.clipped()
         return outcome
 
     def _evidence(self) -> list[Evidence]:

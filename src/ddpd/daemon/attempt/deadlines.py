@@ -24,7 +24,6 @@ from ...protocol.control import RootCause
 from .outcome import Outcome
 
 MISSED_HEARTBEATS = 2  # a rank silent for more than this many intervals is reported (heartbeat_missed)
-_ORDER = list(RankState)
 
 
 @dataclass(frozen=True)
@@ -159,8 +158,8 @@ def _progress(limits: Limits, watch: Watch, live: list[RankClock], now: float,
 def join_timeout(limits: Limits, watch: Watch, ranks: list[RankClock], pending: list[RankClock]) -> Outcome:
     """Name the ranks furthest behind; ranks already in init_process_group are only waiting for them."""
     missing = watch.nproc - len(ranks)
-    behind = min((_ORDER.index(r.state) for r in pending), default=0)
-    culprits = [r for r in pending if _ORDER.index(r.state) == behind]
+    behind = min((r.state.order for r in pending), default=0)
+    culprits = [r for r in pending if r.state.order == behind]
     parts = [f"rank {r.rank} never joined (reached {r.state.value})" for r in culprits]
     parts += [f"rank {r.rank} waiting in init_process_group ({r.state.value})" for r in pending if r not in culprits]
     if missing:

@@ -243,7 +243,7 @@ async def daemon_info(ctx: Context) -> DaemonInfo:
     info = ctx.info()
     if info.gpus == 0:
         return info
-    running = [j for j in ctx.scheduler.unended.values() if j.id in ctx.scheduler.running]
+    running = ctx.scheduler.running_jobs()
     devices, note = await daemon_gpus(running, ctx.scheduler.resources)
     return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
 

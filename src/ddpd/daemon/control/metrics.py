@@ -102,7 +102,7 @@ class Metrics:
         """The live ranks of running jobs, with their pids."""
         sched = self.scheduler
         return [RankTarget(job.id, r.attempt, r.rank, r.pid)
-                for job in sched.unended.values() if job.id in sched.running
+                for job in sched.running_jobs()
                 for r in job.ranks if r.pid is not None and r.state is not RankState.EXITED]
 
     async def render(self) -> bytes:
@@ -175,7 +175,7 @@ class DaemonCollector(Collector):
         job_loss = _gauge("ddpd_job_loss", "The job's last loss on its curve (running jobs).", ["job_id"])
         job_rate = _gauge("ddpd_job_steps_per_second", "The job's steps per second at its curve's last point.",
                           ["job_id"])
-        for job in (j for j in sched.unended.values() if j.id in sched.running):
+        for job in sched.running_jobs():
             for r in job.ranks:
                 states[r.state.value] += 1
                 if r.state is not RankState.EXITED and r.last_frame is not None:
@@ -221,10 +221,9 @@ class DaemonCollector(Collector):
         res = sched.resources
         mine = {d.entry for d in res.devices}
         held: dict[str, list[str]] = {}
-        for job in sched.unended.values():
-            if job.id in sched.running:
-                for entry in dict.fromkeys(job.gpus):
-                    held.setdefault(entry, []).append(job.id)
+        for job in sched.running_jobs():
+            for entry in dict.fromkeys(job.gpus):
+                held.setdefault(entry, []).append(job.id)
         for gpu in self.usage.gpus:
             if gpu.entry not in mine:
                 continue  # NVML lists it, the daemon does not schedule it

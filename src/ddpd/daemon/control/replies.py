@@ -14,21 +14,12 @@ from collections.abc import Callable, Iterable, Mapping
 import msgspec
 
 from ...protocol import MAX_FRAME, JobSpec
-from ...protocol.control import EventView, JobPage, JobView, RootCause
+from ...protocol.control import EventView, JobPage, JobView
 from ...protocol.limits import TEXT_LIMIT, clip_text, clip_value
 from ..store.records import Job
 
 PAGE_BUDGET = MAX_FRAME - 16 * 1024  # encoded jobs of one page at most (room for the envelope)
 VIEW_BUDGET = PAGE_BUDGET
-
-
-def clip_root_cause(rc: RootCause | None) -> RootCause | None:
-    if rc is None:
-        return None
-    return msgspec.structs.replace(
-        rc, reason=clip_text(rc.reason, 200),
-        **{k: clip_text(v) for k in ("phase", "error", "message", "traceback", "detail", "signal")
-           if isinstance(v := getattr(rc, k), str)})
 
 
 Detail = Callable[[int], bool]  # may the viewer see the detail of a job of this owner uid?
@@ -61,7 +52,7 @@ def fit_view(view: JobView) -> JobView:
         view = msgspec.structs.replace(view, spec=msgspec.structs.replace(view.spec, environ=None))
     view = msgspec.structs.replace(view, name=clip_text(view.name, 200),
                                    reason=None if view.reason is None else clip_text(view.reason, TEXT_LIMIT),
-                                   root_cause=clip_root_cause(view.root_cause))
+                                   root_cause=None if view.root_cause is None else view.root_cause.clipped())
     if len(msgspec.json.encode(view)) <= VIEW_BUDGET:
         return view
     view = msgspec.structs.replace(view, ranks=[])

@@ -127,9 +127,6 @@ class WarmPool:
     def ready_pids(self) -> list[int]:
         return [w.pid for q in self._ready.values() for w in q]
 
-    def ready_count(self, key: PoolKey) -> int:
-        return len(self._ready.get(key, ()))
-
     def serves(self, shape: Shape) -> bool:
         """Whether the pool may hold interpreters of this shape: another user's only where each
         pooled interpreter has a cgroup of its own (what its start forks must not escape)."""

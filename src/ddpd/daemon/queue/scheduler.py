@@ -71,6 +71,10 @@ class Scheduler:
         queued = sum(1 for j in self.unended.values() if j.state is JobState.QUEUED)
         return len(self.running), queued
 
+    def running_jobs(self) -> list[Job]:
+        """The jobs started by this scheduler and not yet ended (they hold their resources)."""
+        return [j for j in self.unended.values() if j.id in self.running]
+
     async def lookup(self, job_id: str) -> Job | None:
         """A job by id, held in memory or read from the journal (None: no such job)."""
         return await self.table.lookup(job_id)
@@ -197,7 +201,7 @@ class Scheduler:
                     continue
                 if len(self.running) >= self.config.max_running:
                     break
-                if over_user_gpus(self.config, (j for j in self.unended.values() if j.id in self.running), job):
+                if over_user_gpus(self.config, self.running_jobs(), job):
                     continue  # its owner's limit, not the machine's: others' jobs may pass it
                 gpus = self.resources.take(job.spec)
                 if gpus is None:
