@@ -49,6 +49,10 @@ async def test_curve_of_a_real_job_through_the_cli(short_tmp: Path) -> None:
         assert steps == sorted(set(steps)) and steps[-1] == STEPS
         assert all(isinstance(p["loss"], float) for p in points)
         assert any(p["steps_per_second"] for p in points)
+        # each point the ranks' mean at its step; rates over at least 1 s or 10 steps (at most ~33 steps/s
+        # here: a report right after the one before made 233,017 steps/s)
+        assert points[-1]["loss"] == pytest.approx(sum(r.loss for r in job.ranks) / 2)
+        assert all(p["steps_per_second"] is None or p["steps_per_second"] < 60 for p in points), points
 
         done = await ddpctl(d, "metrics", job.id, "-o", "csv")
         rows = list(csv.DictReader(io.StringIO(out(done))))
@@ -58,6 +62,7 @@ async def test_curve_of_a_real_job_through_the_cli(short_tmp: Path) -> None:
         done = await ddpctl(d, "plot", job.id)
         assert done.returncode == 0, err(done)
         assert job.id in out(done) and "step" in out(done) and len(out(done).splitlines()) >= 10
+        assert out(done).splitlines()[-1].split()[-2:] == [str(STEPS), "step"]  # whole steps, not 4.8e1
 
         png = short_tmp / "loss.png"
         done = await ddpctl(d, "plot", job.id, "--png", str(png), "--size", "640x400")

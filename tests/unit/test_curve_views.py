@@ -53,6 +53,23 @@ def test_png_size_is_checked() -> None:
 def test_terminal_plot_draws_the_curve() -> None:
     text = curves.terminal_plot(curve(), width=60, height=15, color=False)
     assert "j3-abcd loss (RUNNING)" in text and "step" in text and len(text.splitlines()) == 15
+    assert all(line == line.rstrip() and len(line) <= 60 + 8 for line in text.splitlines())
+
+
+def test_terminal_plot_follows_the_png_rules() -> None:
+    """Bug: a loss from 8 to 0.0004 was drawn flat (no log scale) and steps labelled 1.0e0 8.1e2."""
+    points = [CurvePoint(time=0.0, step=s, loss=v, steps_per_second=None)
+              for s, v in [(1, 8.0), (100, 0.5), (400, 0.004), (810, 0.0004)]]
+    text = curves.terminal_plot(CurveResult(job_id="j", state="SUCCEEDED", points=points), 60, 14, color=False)
+    title, *plot, _, labels = text.splitlines()
+    assert title == "j loss (SUCCEEDED, log scale)" and labels.split() == ["1", "405", "810", "step"]
+    marks = [(row, line.index("●")) for row, line in enumerate(plot) if "●" in line]
+    assert len(marks) == 4 and [r for r, _ in marks] == sorted(r for r, _ in marks)  # each point, falling
+    assert marks[1][0] - marks[0][0] >= 2 and marks[3][0] - marks[2][0] >= 2  # log: every decade gets rows
+    assert plot[0].split("┤")[0].strip() == "8" and plot[-1].split("┤")[0].strip() == "0.0004"
+    dense = [CurvePoint(time=0.0, step=s, loss=-s / 7, steps_per_second=None) for s in range(1, 400)]
+    text = curves.terminal_plot(CurveResult(job_id="j", state="RUNNING", points=dense), 60, 14, color=False)
+    assert "log scale" not in text and text.count("●") == 1  # dense: the line, and the last point marked
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -85,18 +85,37 @@ def test_steps_per_second_survive_merging() -> None:
     assert rates[0] == pytest.approx(2.0) and rates[-1] == pytest.approx(4.0)
 
 
-def test_feed_samples_the_leading_rank_with_the_mean_of_every_ranks_last_loss() -> None:
+def test_feed_averages_the_ranks_losses_at_the_same_step_only() -> None:
+    """Bug: a point averaged one rank's stale loss with another's current one (2.36 between 4.68 and
+    0.0037), and the first point was rank 0's loss alone."""
     feed = JobFeed()
-    assert feed.report(1.0, 1, 0, step=1, loss=1.0)  # rank 0 alone so far
+    assert not feed.report(1.0, 1, 0, step=1, loss=1.0)  # waits for the others
     assert not feed.report(1.1, 1, 1, step=1, loss=3.0)
-    assert feed.report(2.0, 1, 0, step=3, loss=2.0)  # rank 1's last loss counts again: the same ranks each time
-    assert feed.report(3.0, 1, 0, step=5, loss=1.0)
-    assert not feed.report(3.2, 1, 1, step=5, loss=math.nan)  # kept out, and rank 1 with it
+    assert feed.report(2.0, 1, 0, step=3, loss=2.0)  # the leader moved on: step 1 is the mean of both
+    assert not feed.report(2.1, 1, 1, step=4, loss=9.0)  # rank 1 passed step 3 without a loss there
+    assert feed.report(3.0, 1, 0, step=5, loss=1.0)  # step 3: rank 0's alone, never rank 1's older loss
+    assert not feed.report(3.2, 1, 1, step=5, loss=math.nan)  # kept out of step 5's mean
+    assert not feed.report(3.3, 1, 1, step=7, loss=0.7)  # ahead of the leader: kept for step 7
     assert feed.report(4.0, 1, 0, step=7, loss=0.5)
-    assert [(b.step, b.loss) for b in feed.curve.buckets] == [(1, 1.0), (3, 2.5), (5, 2.0), (7, 0.5)]
+    assert feed.report(4.1, 1, 0, step=8, loss=0.4, final=True)
+    assert [(b.step, b.loss) for b in feed.curve.buckets] == [(1, 2.0), (3, 2.0), (5, 1.0), (7, pytest.approx(0.6))]
     assert feed.curve.state.nonfinite == 1
-    assert feed.report(5.0, 2, 1, step=8, loss=5.0)  # a new attempt where rank 1 reports first: it leads
-    assert feed.curve.buckets[-1].loss == 5.0
+    assert feed.report(4.2, 1, 1, step=8, loss=0.6, final=True)  # every rank's result: the last point
+    assert feed.curve.buckets[-1].step == 8 and feed.curve.buckets[-1].loss == pytest.approx(0.5)
+    assert not feed.report(5.0, 2, 1, step=9, loss=5.0)  # a new attempt where rank 1 reports first: it leads
+    assert feed.finish() and feed.curve.buckets[-1].loss == 5.0  # the job ended: what is pending goes in
+
+
+def test_steps_per_second_need_a_second_or_ten_steps() -> None:
+    """Bug: two reports microseconds apart made 233,017 steps/s."""
+    curve = Curve()
+    curve.add(t=100.0, step=1, loss=None)
+    curve.add(t=100.2, step=5, loss=None)
+    curve.add(t=100.5, step=12, loss=None)  # 11 steps since step 1
+    curve.add(t=100.500001, step=13, loss=None)
+    rates = [b.rate() for b in curve.buckets]
+    assert rates[:2] == [None, None] and rates[2] == pytest.approx(11 / 0.5)
+    assert rates[3] == pytest.approx(12 / 0.500001)  # from step 1, the latest sample 10 steps back
 
 
 def test_extend_appends_a_later_curve() -> None:
@@ -120,8 +139,9 @@ def journal(tmp_path: Path) -> Iterator[Journal]:
     db.close()
 
 
-def _progress(job_id: str, rank: int, step: int, loss: float, attempt: int = 1) -> EventView:
-    return EventView(seq=0, ts=time.time() + step, kind="rank.progress", job_id=job_id, attempt=attempt, rank=rank,
+def _progress(job_id: str, rank: int, step: int, loss: float, attempt: int = 1,
+              kind: str = "rank.progress") -> EventView:
+    return EventView(seq=0, ts=time.time() + step, kind=kind, job_id=job_id, attempt=attempt, rank=rank,
                      data={"step": step, "loss": loss})
 
 
@@ -144,7 +164,7 @@ async def test_store_writes_curves_forgets_ended_ones_and_reads_them_back(journa
     assert await journal.load_curve("j9-none") is None
     # a new daemon that records more of the same job appends to what the earlier one stored
     later = CurveStore(journal)
-    later.observe(_progress(job.id, 0, 45, 0.01, attempt=2))
+    later.observe(_progress(job.id, 0, 45, 0.01, attempt=2, kind="rank.result"))
     curve = await later.curve(job.id)
     assert curve is not None and [b.step for b in curve.buckets][-2:] == [40, 45]
     await journal.delete_job(job.id)

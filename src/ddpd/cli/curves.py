@@ -1,5 +1,5 @@
 """How ddpctl shows a job's training curve: the progress line of `watch` (steps/s, ETA, a sparkline of the
-loss), `plot` in the terminal (plotext) or as a PNG (matplotlib, the optional extra ``plot``), and the
+loss), `plot` in the terminal (drawn here, by the PNG's rules) or as a PNG (matplotlib, the optional extra ``plot``), and the
 export of `metrics` (CSV or JSON).
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ SPARK_WIDTH = 40
 LINE_COLOR = "#1f77b4"  # the loss curve in a PNG
 PNG_SIZE = (800, 480)  # pixels, by default
 COLUMNS = ("time", "step", "loss", "steps_per_second")
+MARKED_POINTS = 60  # a PNG marks each point of a curve this sparse
 
 
 class PlotUnavailable(Exception):
@@ -86,22 +88,81 @@ def to_csv(curve: CurveResult) -> str:
 
 def terminal_plot(curve: CurveResult, width: int | None = None, height: int | None = None,
                   color: bool = True) -> str:
-    """The loss against the step, drawn with plotext (braille dots joined by lines) for a terminal."""
-    import plotext
-
+    """The loss against the step for a terminal, `width` x `height` characters (default: the terminal's):
+    by the PNG's rules (a log scale when a positive loss spans two decades or more), steps as whole
+    numbers, and each point marked where there are few enough to tell apart."""
     points = losses(curve)
     cols, rows = _terminal_size()
-    fig = plotext.figure
-    fig.clear()
-    fig.plot_size(width or cols, height or min(rows, 25))
-    signal = fig.signal([s for s, _ in points], [v for _, v in points], marker="braille")
-    signal.lines()
-    fig.draw(signal)
-    fig.title(f"{curve.job_id} loss ({curve.state})")
-    fig.label("step", axis="x")
-    text: str = fig.build().string(colorless=not color)
-    fig.clear()
-    return text
+    log = _log_scale([v for _, v in points])
+    canvas = _Canvas(max(20, (width or cols) - AXIS_WIDTH - 1), max(3, (height or min(rows, 25)) - 3),
+                     [s for s, _ in points], [math.log10(v) if log else v for _, v in points])
+    canvas.draw(marked=len(points) <= canvas.width // 3)
+    scale = ", log scale" if log else ""
+    lines = [f"{curve.job_id} loss ({curve.state}{scale})"]
+    for row, text in enumerate(canvas.rows()):
+        label = canvas.y_label(row, log)
+        lines.append(f"{label:>{AXIS_WIDTH - 1}} ┤{_blue(text, color)}")
+    lines.append(" " * (AXIS_WIDTH - 1) + " └" + "─" * canvas.width)
+    lines.append(" " * (AXIS_WIDTH + 1) + canvas.x_labels() + "  step")
+    return "\n".join(lines)
+
+
+AXIS_WIDTH = 10  # characters left of a terminal plot's y axis
+LINE, MARK = "·", "●"
+
+
+def _blue(text: str, color: bool) -> str:
+    return f"\x1b[34m{text}\x1b[0m" if color and text.strip() else text
+
+
+class _Canvas:
+    """A character grid the curve is drawn on: x the step, y the loss (or its log10), both linear."""
+
+    def __init__(self, width: int, height: int, xs: list[int], ys: list[float]) -> None:
+        self.width, self.height, self.xs, self.ys = width, height, xs, ys
+        self.x0, self.x1 = (min(xs), max(xs)) if xs else (0, 1)
+        if self.x1 == self.x0:
+            self.x1 = self.x0 + 1
+        low, high = (min(ys), max(ys)) if ys else (0.0, 1.0)
+        pad = 0.5 if high == low else 0.0
+        self.y0, self.y1 = low - pad, high + pad
+        self.grid = [[" "] * width for _ in range(height)]
+
+    def col(self, x: float) -> int:
+        return round((x - self.x0) / (self.x1 - self.x0) * (self.width - 1))
+
+    def row(self, y: float) -> int:
+        return round((self.y1 - y) / (self.y1 - self.y0) * (self.height - 1))
+
+    def draw(self, marked: bool) -> None:
+        pairs = list(zip(self.xs, self.ys, strict=True))
+        for (xa, ya), (xb, yb) in itertools.pairwise(pairs):
+            ca, cb, last = self.col(xa), self.col(xb), self.row(ya)
+            for c in range(ca, cb + 1):
+                r = self.row(ya + (yb - ya) * ((c - ca) / (cb - ca) if cb > ca else 1.0))
+                for between in range(min(last, r), max(last, r) + 1):  # a steep drop stays joined
+                    self.grid[between][c] = LINE
+                last = r
+        for x, y in pairs if marked or len(pairs) == 1 else pairs[-1:]:
+            self.grid[self.row(y)][self.col(x)] = MARK
+
+    def rows(self) -> list[str]:
+        return ["".join(cells).rstrip() for cells in self.grid]
+
+    def y_label(self, row: int, log: bool) -> str:
+        if row not in (0, self.height // 2, self.height - 1):
+            return ""
+        y = self.y1 - (self.y1 - self.y0) * row / (self.height - 1)
+        return f"{10 ** y if log else y:.3g}"
+
+    def x_labels(self) -> str:
+        """The first, middle and last step under the axis, as whole numbers."""
+        line = [" "] * (self.width + 8)
+        for x in (self.x0, (self.x0 + self.x1) // 2, self.x1):
+            text = str(x)
+            at = min(max(0, self.col(x) - len(text) // 2), len(line) - len(text))
+            line[at:at + len(text)] = text
+        return "".join(line).rstrip()
 
 
 def _terminal_size() -> tuple[int, int]:
@@ -127,7 +188,9 @@ def write_png(curve: CurveResult, path: Path, size: tuple[int, int] = PNG_SIZE) 
     fig = Figure(figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi)
     ax = fig.add_subplot()
     ax.plot([s for s, _ in points], [v for _, v in points], color=LINE_COLOR, linewidth=2, label="loss")
-    if points and min(v for _, v in points) > 0 and _spans_decades([v for _, v in points]):
+    if points and len(points) <= MARKED_POINTS:  # sparse: each point shown, not only the line
+        ax.plot([s for s, _ in points], [v for _, v in points], "o", color=LINE_COLOR, markersize=5)
+    if _log_scale([v for _, v in points]):
         ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -137,16 +200,23 @@ def write_png(curve: CurveResult, path: Path, size: tuple[int, int] = PNG_SIZE) 
     fig.savefig(path, format="png", dpi=dpi)
 
 
-def _spans_decades(values: Sequence[float]) -> bool:
-    return math.log10(max(values) / min(values)) >= 2
+def _log_scale(values: Sequence[float]) -> bool:
+    """The one rule of both plots: a log scale when every loss is positive and they span two decades."""
+    return bool(values) and min(values) > 0 and math.log10(max(values) / min(values)) >= 2
 
 
-def parse_size(text: str) -> tuple[int, int]:
-    """`WIDTHxHEIGHT` in pixels, each 100..10000; ValueError naming the problem."""
+def parse_size(text: str, low: int = 100, high: int = 10_000, unit: str = "pixels") -> tuple[int, int]:
+    """`WIDTHxHEIGHT`, each `low`..`high` (pixels for a PNG, characters for the terminal); ValueError
+    naming the problem."""
     w, sep, h = text.lower().partition("x")
     if not sep or not w.isdigit() or not h.isdigit():
-        raise ValueError(f"{text!r} is not WIDTHxHEIGHT (pixels)")
+        raise ValueError(f"{text!r} is not WIDTHxHEIGHT ({unit})")
     width, height = int(w), int(h)
-    if not (100 <= width <= 10_000 and 100 <= height <= 10_000):
-        raise ValueError(f"{text!r}: each side must be 100 to 10000 pixels")
+    if not (low <= width <= high and low <= height <= high):
+        raise ValueError(f"{text!r}: each side must be {low} to {high} {unit}")
     return width, height
+
+
+def parse_terminal_size(text: str) -> tuple[int, int]:
+    """`COLUMNSxROWS` of a terminal plot, in characters."""
+    return parse_size(text, 10, 1000, "characters")

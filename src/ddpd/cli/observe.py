@@ -114,12 +114,15 @@ def watch(job_id: str | None, output: str, reconnect: float, socket_path: Path |
 @click.argument("job_id", metavar="JOB")
 @click.option("--png", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="Write the plot to FILE as a PNG (needs matplotlib: the extra 'plot').")
-@click.option("--size", default="800x480", show_default=True, metavar="WxH", help="Size of the PNG in pixels.")
+@click.option("--size", default=None, metavar="WxH",
+              help="Size of the plot: pixels of the PNG [800x480], or characters of the terminal plot "
+              "[the terminal's].")
 @socket_option
-def plot(job_id: str, png: Path | None, size: str, socket_path: Path | None) -> None:
+def plot(job_id: str, png: Path | None, size: str | None, socket_path: Path | None) -> None:
     """Draw JOB's loss curve against the step: in the terminal, or (--png) as a picture."""
     try:
-        pixels = curves.parse_size(size)
+        pixels = curves.parse_size(size) if png is not None and size else curves.PNG_SIZE
+        cols, rows = curves.parse_terminal_size(size) if png is None and size else (None, None)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--size") from None
     curve = client_for(socket_path).curve(job_id)
@@ -127,7 +130,7 @@ def plot(job_id: str, png: Path | None, size: str, socket_path: Path | None) -> 
         error(f"job {job_id} has no loss recorded ({curve.state})")
         sys.exit(EXIT_FAILED)
     if png is None:
-        sys.stdout.write(curves.terminal_plot(curve, color=sys.stdout.isatty()) + "\n")
+        sys.stdout.write(curves.terminal_plot(curve, cols, rows, color=sys.stdout.isatty()) + "\n")
         return
     try:
         curves.write_png(curve, png, pixels)

@@ -73,9 +73,11 @@ class CurveStore:
                 if not isinstance(step, int) or isinstance(step, bool) or event.rank is None:
                     return
                 entry = self.entries.setdefault(job_id, _Entry())
-                if entry.feed.report(event.ts, event.attempt or 0, event.rank, step, _number(event.data.get("loss"))):
+                if entry.feed.report(event.ts, event.attempt or 0, event.rank, step, _number(event.data.get("loss")),
+                                     final=event.kind == "rank.result"):
                     self._dirty.add(job_id)
             case "job.finished" if job_id is not None and job_id in self.entries:
+                self.entries[job_id].feed.finish()
                 self._dirty.add(job_id)
                 self._ended.add(job_id)
                 self._wake.set()

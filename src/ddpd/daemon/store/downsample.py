@@ -14,8 +14,12 @@ backwards (counted in `backwards`; a restarted attempt that resumes from an earl
 the curve again once it passes the last step recorded), a loss that is NaN or infinite (the step
 is kept, the loss counted in `nonfinite`).
 
-`JobFeed` turns the progress reports of a job's ranks into samples: a sample per report of the
-lowest rank that reports (normally rank 0), its loss the mean of every rank's last finite loss.
+`JobFeed` turns the progress reports of a job's ranks into samples: a sample per step the lowest
+rank that reports (normally rank 0) reported, its loss the mean of the finite losses the ranks
+reported at that same step.
+
+Steps per second are measured over a trailing window of at least RATE_SECONDS or RATE_STEPS (the
+samples of the attempt kept in `recent`), never over two reports a few microseconds apart.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import msgspec
 
 MAX_POINTS = 512
 MAX_STEP = 2**63 - 1
+RATE_SECONDS, RATE_STEPS = 1.0, 10  # steps per second are measured over at least one of these
+MAX_RECENT = 64  # samples kept for that window
 MAX_LOSS = 1e300  # a loss beyond this is treated as not finite (means of such values would overflow)
 
 
@@ -64,6 +70,7 @@ class CurveState(msgspec.Struct):
     backwards: int = 0
     nonfinite: int = 0
     last: tuple[int, float, int] | None = None  # the last accepted sample: (attempt, time, step)
+    recent: list[tuple[float, int]] = msgspec.field(default_factory=list)  # (time, step) of the attempt's window
 
 
 def _finite(value: float | None) -> float | None:
@@ -95,14 +102,12 @@ class Curve:
         if loss is not None and _finite(loss) is None:
             s.nonfinite += 1
         loss = _finite(loss)
-        done, span = 0, 0.0
-        if s.last is not None and s.last[0] == attempt:  # steps per second within one attempt only
-            _, last_t, last_step = s.last
-            if step < last_step:
-                s.backwards += 1
-                return False
-            if t > last_t:
-                done, span = step - last_step, t - last_t
+        if s.last is not None and s.last[0] == attempt and step < s.last[2]:
+            s.backwards += 1
+            return False
+        if s.last is None or s.last[0] != attempt:  # steps per second within one attempt only
+            s.recent = []
+        done, span = self._window(t, step)
         s.last = (attempt, t, step)
         top = self.last_step
         if top is not None and step <= top:
@@ -117,6 +122,20 @@ class Curve:
             if len(self.buckets) > self.max_points:
                 self._halve()
         return True
+
+    def _window(self, t: float, step: int) -> tuple[int, float]:
+        """Steps done and seconds over the trailing window that ends at this sample: from the latest
+        earlier sample of the attempt at least RATE_SECONDS or RATE_STEPS back ((0, 0): none yet)."""
+        recent = self.state.recent
+        anchor = next(((rt, rs) for rt, rs in reversed(recent) if t - rt >= RATE_SECONDS or step - rs >= RATE_STEPS),
+                      None)
+        recent.append((t, step))
+        while len(recent) > 2 and (t - recent[1][0] >= RATE_SECONDS or step - recent[1][1] >= RATE_STEPS):
+            del recent[0]  # its successor is far enough back for every later sample
+        del recent[:-MAX_RECENT]
+        if anchor is None or t <= anchor[0]:
+            return 0, 0.0
+        return step - anchor[1], t - anchor[0]
 
     def _halve(self) -> None:
         b = self.state.buckets
@@ -141,32 +160,77 @@ class Curve:
             self.state.last = later.state.last
 
 
+MAX_PENDING = 8  # leader steps waiting for the other ranks' losses (a rank that stopped reporting)
+MAX_EARLY = 16  # losses a rank reported for steps its leader has not reported yet, per rank
+
+
 class JobFeed:
-    """One job's curve, and each rank's last finite loss in the current attempt."""
+    """One job's curve, fed by its ranks' reports: a point per step the leading rank reports (the
+    lowest rank that reports in the attempt), its loss the mean of the losses the ranks reported *at
+    that step* (never a rank's older loss beside another's newer one).
+
+    A step's point waits (pending) until every rank seen in the attempt has reported that step or a
+    later one, and until the leader has reported a later step or a rank's result came: so the first
+    point is not one rank's loss because the others had not yet spoken. A rank that stops reporting
+    holds no more than MAX_PENDING points back."""
 
     def __init__(self, curve: Curve | None = None) -> None:
         self.curve = curve if curve is not None else Curve()
         self.attempt: int | None = None
-        self.leader: int | None = None  # the lowest rank that reported in this attempt
-        self.losses: dict[int, float] = {}  # rank -> its last finite loss (bounded by the job's ranks)
+        self.leader: int | None = None
+        self.reached: dict[int, int] = {}  # rank -> the highest step it reported (bounded by the job's ranks)
+        self.pending: dict[int, tuple[float, dict[int, float | None]]] = {}  # step -> (time, rank -> loss)
+        self.early: dict[int, dict[int, float | None]] = {}  # rank -> step -> loss, ahead of the leader
 
-    def report(self, t: float, attempt: int, rank: int, step: int, loss: float | None) -> bool:
-        """A rank's progress report; True when it made a sample (the leading rank's reports do).
-
-        The sample's loss is the mean of every rank's last finite loss (each at most one report
-        interval old), so the same ranks count in every sample; a rank whose last loss was not
-        finite counts in none until it reports a finite one again."""
+    def report(self, t: float, attempt: int, rank: int, step: int, loss: float | None, final: bool = False) -> bool:
+        """A rank's progress report (`final`: its result); True when a point was added to the curve."""
         if attempt != self.attempt:
-            self.attempt, self.leader, self.losses = attempt, None, {}
+            added = self._commit(final=True)
+            self.attempt, self.leader, self.reached, self.pending, self.early = attempt, None, {}, {}, {}
+        else:
+            added = False
         if loss is not None and _finite(loss) is None:
             self.curve.state.nonfinite += 1
-            self.losses.pop(rank, None)
-        elif loss is not None:
-            self.losses[rank] = loss
+            loss = None
+        self.reached[rank] = max(step, self.reached.get(rank, step))
         if self.leader is None or rank < self.leader:
             self.leader = rank
-        if rank != self.leader:
-            return False
-        values = list(self.losses.values())
-        mean = math.fsum(v / len(values) for v in values) if values else None
-        return self.curve.add(t, step, mean, attempt)
+        if rank == self.leader:
+            self._lead(t, rank, step, loss)
+        elif step in self.pending:
+            self.pending[step][1][rank] = loss
+        else:
+            ahead = self.early.setdefault(rank, {})
+            ahead[step] = loss
+            while len(ahead) > MAX_EARLY:
+                del ahead[min(ahead)]
+        return self._commit(final) or added
+
+    def finish(self) -> bool:
+        """The job ended: every pending point goes in with the losses it has."""
+        added = False
+        while self.pending:
+            added |= self._commit(final=True, force=True)
+        return added
+
+    def _lead(self, t: float, rank: int, step: int, loss: float | None) -> None:
+        seen = {r: ahead.pop(step) for r, ahead in self.early.items() if step in ahead}
+        self.pending[step] = (t, {**seen, rank: loss})
+
+    def _commit(self, final: bool, force: bool = False) -> bool:
+        """Add the pending points every rank has passed (the newest only once the leader moved on, or
+        at a result), oldest first; past MAX_PENDING (or `force`), the oldest with the losses it has."""
+        added = False
+        for step in sorted(self.pending):
+            newest = step == max(self.pending)
+            passed = all(reached >= step for reached in self.reached.values()) and (final or not newest)
+            if not passed and not force and len(self.pending) <= MAX_PENDING:
+                break
+            t, losses = self.pending.pop(step)
+            values = [v for v in losses.values() if v is not None]
+            mean = math.fsum(v / len(values) for v in values) if values else None
+            added |= self.curve.add(t, step, mean, self.attempt or 0)
+            for ahead in self.early.values():
+                for old in [s for s in ahead if s <= step]:
+                    del ahead[old]
+        return added
