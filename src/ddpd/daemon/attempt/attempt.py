@@ -46,7 +46,8 @@ from ..gpu.gpus import rank_defaults
 from ..multinode.multinode import settle, watch_nodes
 from ..multinode.nodes import NodeLayout, NodeSession
 from ..pool.pool import WarmPool
-from ..ranklogs.workspace import create_logs, keep_logs, live_streams, prepare_dirs
+from ..ranklogs.keeper import LogKeeper, keep_logs
+from ..ranklogs.workspace import create_logs, live_streams, prepare_dirs
 from ..store.journal import Journal
 from ..store.records import Job, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
 from .clock import Clock, RealClock, wait_until
@@ -180,9 +181,11 @@ class Attempt:
                                              defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus)),
                                              identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
                                              checkpoint_dir=self.checkpoint_dir, layout=self.layout)
+        self._logs = LogKeeper(self.journal, job, self.number)  # watches the ranks' logs as they start
         try:
             async with anyio.create_task_group() as tg:
                 try:
+                    tg.start_soon(self._logs.run)
                     await self._launch(tg, launcher)
                     tg.start_soon(self._timers)
                     tg.start_soon(self._release_store_host, rdzv)
@@ -200,6 +203,7 @@ class Attempt:
                 h.channel.close()
                 if h.logs is not None:
                     h.logs.close()
+            self._logs.close()
             rdzv.close()
         assert self.outcome is not None
         outcome = self._finish_outcome(self.outcome)
@@ -310,7 +314,7 @@ class Attempt:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_exit, h, self)
                 log_max = min(self.job.spec.log_max or self.config.rank_log_max, self.config.rank_log_max)
-                tg.start_soon(keep_logs, h, log_max, self.journal, self.job)
+                tg.start_soon(keep_logs, h, self._logs, log_max)
                 if h.hello is not None:  # a pooled rank said hello to the pool
                     await self.connected(h, h.hello)
                 await read_frames(h, self)

@@ -142,13 +142,21 @@ class RankGang:
     # -- leftovers -------------------------------------------------------------------------
 
     def _descendants(self, ranks: set[int]) -> list[procs.ProcInfo]:
-        """Blocking (a /proc scan): this attempt's processes (zombies too), not counting its ranks."""
-        return [
-            p for p in procs.find_members(self.pgid, self.marker)
-            if p.pid not in ranks and (
-                procs.proc_environ_has(p.pid, self.marker) or p.start_time >= self.start_ticks
-            )
-        ]
+        """Blocking (a /proc scan, at teardown only): this attempt's processes (zombies too), not
+        counting its ranks: those in its group or carrying its marker. Only a process started since
+        the attempt began can be one (the marker is new with each attempt, and a pid of its group
+        reused by an older process is not), so no older process's environment is ever read."""
+        found: list[procs.ProcInfo] = []
+        me = os.getpid()
+        for pid in procs.all_pids():
+            if pid == me or pid in ranks:
+                continue
+            info = procs.proc_info(pid)
+            if info is None or info.start_time < self.start_ticks:
+                continue
+            if (self.pgid is not None and info.pgid == self.pgid) or procs.proc_environ_has(pid, self.marker):
+                found.append(info)
+        return found
 
     async def _kill_cgroup(self, cg: AttemptCgroup, ranks: set[int]) -> None:
         """cgroup.kill: SIGKILL to all that is left in the attempt's cgroup, whatever setsid or double
