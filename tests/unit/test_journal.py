@@ -4,6 +4,7 @@ supervision and never leaves a half-made job."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import time
@@ -242,3 +243,74 @@ def test_unwritable_state_dir(tmp_path: Path) -> None:
     where.mkdir(mode=0o500)
     with pytest.raises(StorageError, match=str(where)):
         StateDB.open_dir(where)
+
+
+async def test_concurrent_writes_share_transactions_and_each_returns_once_on_disk(journal: Journal,
+                                                                                   db: StateDB) -> None:
+    job = make_job()
+    await journal.create_job(job)
+    before = journal.batches
+    seqs: dict[int, int] = {}
+
+    async def one(i: int) -> None:
+        await journal.event(job, "rank.spawned", rank=i)
+        seqs[i] = len(await journal.list_events(job.id, 0, 1000))  # on disk when the call returns
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+    events = await journal.list_events(job.id, 0, 1000)
+    assert sorted(e.rank for e in events if e.rank is not None) == list(range(200))
+    assert all(seqs[i] >= 1 for i in range(200))
+    assert journal.batches - before < 50  # group commit: far fewer transactions than writes
+
+
+async def test_a_bad_write_in_a_batch_fails_alone(journal: Journal) -> None:
+    job = make_job()
+    await journal.create_job(job)
+
+    def bug(_: sqlite3.Connection) -> None:
+        raise TypeError("a bug in a write")
+
+    async def bad() -> None:
+        with pytest.raises(TypeError, match="a bug"):
+            await journal._write("bad", bug)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(20):
+            tg.start_soon(functools.partial(journal.event, job, "ok", rank=i))
+        tg.start_soon(bad)
+        for i in range(20, 40):
+            tg.start_soon(functools.partial(journal.event, job, "ok", rank=i))
+    assert len(await journal.list_events(job.id, 0, 100)) == 40 and journal.failed_writes == 0
+
+
+async def test_a_writer_cancelled_while_committing_leaves_the_others_writes_to_the_next(journal: Journal,
+                                                                                      db: StateDB) -> None:
+    job = make_job()
+    await journal.create_job(job)
+    holder = locked(db.path)  # the first write fails and pauses before its retry: there it is cancelled
+    paused = anyio.Event()
+
+    async def pause(_: float) -> None:
+        paused.set()
+        await anyio.sleep_forever()
+
+    journal._sleep = pause
+    leader = anyio.CancelScope()
+
+    async def first() -> None:
+        with leader:
+            await journal.event(job, "first")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        with anyio.fail_after(10):
+            await paused.wait()
+        tg.start_soon(functools.partial(journal.event, job, "second"))  # queued behind the batch under way
+        await anyio.wait_all_tasks_blocked()
+        journal._sleep = no_sleep
+        holder.rollback()
+        holder.close()
+        leader.cancel()  # the second writer takes over: its write and the cancelled one go in
+    assert [e.kind for e in await journal.list_events(job.id, 0, 10)] == ["first", "second"]

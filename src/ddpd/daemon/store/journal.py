@@ -1,11 +1,13 @@
 """The journal: the one owner of the state database's queries, and the event stream.
 
-Every state change is one SQLite write, one event for followers and one structured log line. Writes made
-while jobs are supervised never raise: a write that fails (database locked past its busy timeout, disk
-full, read-only) is retried with a bounded backoff, then logged as `journal.write_failed` and dropped, so
-the in-memory state stays authoritative and the daemon keeps supervising. Only `create_job` (a new
-submission) and `delete_job` raise `StorageError`: a job is saved before it is published, and a failed
-save leaves no trace.
+Every state change is one SQLite write, one event for followers and one structured log line. Writes are
+group-committed: the writes queued while a transaction is being committed go together into the next one
+(each caller still returns only once its own write is on disk), so a burst of rank events costs a few
+fsyncs, not one each. Writes made while jobs are supervised never raise: a write that fails (database
+locked past its busy timeout, disk full, read-only) is retried with a bounded backoff (a batch that fails
+is tried write by write), then logged as `journal.write_failed` and dropped, so the in-memory state stays
+authoritative and the daemon keeps supervising. Only `create_job` (a new submission) and `delete_job`
+raise `StorageError`: a job is saved before it is published, and a failed save leaves no trace.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -50,20 +53,74 @@ class Journal:
         self._retries = tuple(retries)
         self._sleep = sleep
         self.failed_writes = 0
+        self.batches = 0  # transactions committed by the group commit
         self._degraded_until = 0.0  # monotonic: storage failed lately, do not stall supervision on retries
+        self._queue: list[_Op] = []  # writes waiting for the next transaction
+        self._flushing = False  # a writer is committing batches (the others wait for `_flushed`)
+        self._flushed = anyio.Event()
 
     # -- writes that never raise -------------------------------------------------------------------
 
     async def _write(self, what: str, fn: Callable[[sqlite3.Connection], Any], job_id: str | None = None) -> Any:
-        """Run a write; retry a failure with a bounded backoff, then log it and go on (None).
+        """Run a write (group commit: with whatever others were queued meanwhile, in one transaction)
+        and return its result; a write that cannot be done is logged and dropped (None), never raised."""
+        op = _Op(what, fn, job_id)
+        self._queue.append(op)
+        while not op.done:
+            if self._flushing:
+                await self._flushed.wait()
+            else:
+                await self._flush()
+        if op.error is not None:  # not a storage failure: a bug in the write, raised to its own caller
+            raise op.error
+        return op.result
+
+    async def _flush(self) -> None:
+        """Commit the queued writes, batch after batch, until none is left. A batch taken by a writer
+        that is cancelled meanwhile goes back to the head of the queue, for the next writer."""
+        self._flushing = True
+        batch: list[_Op] = []
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                await self._commit(batch)
+                self.batches += 1
+        finally:
+            self._queue[:0] = [op for op in batch if not op.done]
+            self._flushing = False
+            flushed, self._flushed = self._flushed, anyio.Event()
+            flushed.set()
+
+    async def _commit(self, batch: list[_Op]) -> None:
+        """One transaction for the batch; if it fails, each write on its own (one bad write, or a locked
+        database, then costs only itself its retries)."""
+        if len(batch) > 1 and time.monotonic() >= self._degraded_until:
+            try:
+                results = await self.db.run(lambda c: _in_transaction(c, [op.fn for op in batch]))
+            except Exception:  # each write is then tried on its own, and fails on its own
+                pass
+            else:
+                for op, result in zip(batch, results, strict=True):
+                    op.result, op.done = result, True
+                return
+        for op in batch:
+            try:
+                op.result = await self._write_one(op)
+            except Exception as exc:
+                op.error = exc
+            op.done = True
+
+    async def _write_one(self, op: _Op) -> Any:
+        """Run one write; retry a failure with a bounded backoff, then log it and go on (None).
 
         Once a write was given up, the next ones for DEGRADED_FOR seconds are tried once only, so a
         long outage costs each write one busy timeout, not the whole backoff.
         """
+        what, job_id = op.what, op.job_id
         retries = () if time.monotonic() < self._degraded_until else self._retries
         for pause in (*retries, None):
             try:
-                result = await self.db.run(fn)
+                result = (await self.db.run(lambda c: _in_transaction(c, [op.fn])))[0]
                 self._degraded_until = 0.0
                 return result
             except sqlite3.Error as exc:
@@ -149,15 +206,9 @@ class Journal:
     async def save_curves(self, curves: dict[str, str]) -> None:
         """Job curves (JSON by job id) in one transaction; a job no longer on record gets none."""
         def fn(c: sqlite3.Connection) -> None:
-            c.execute("BEGIN IMMEDIATE")
-            try:
-                c.executemany("INSERT INTO curves (job_id, data) SELECT ?, ? WHERE EXISTS "
-                              "(SELECT 1 FROM jobs WHERE id = ?) ON CONFLICT(job_id) DO UPDATE SET data=excluded.data",
-                              [(job_id, data, job_id) for job_id, data in curves.items()])
-            except BaseException:
-                c.execute("ROLLBACK")
-                raise
-            c.execute("COMMIT")
+            c.executemany("INSERT INTO curves (job_id, data) SELECT ?, ? WHERE EXISTS "
+                          "(SELECT 1 FROM jobs WHERE id = ?) ON CONFLICT(job_id) DO UPDATE SET data=excluded.data",
+                          [(job_id, data, job_id) for job_id, data in curves.items()])
 
         await self._write("curves", fn)
 
@@ -300,6 +351,30 @@ class Journal:
         rows = await self.db.run(lambda c: c.execute(sql + " ORDER BY seq LIMIT ?", (*params, limit)).fetchall())
         return [EventView(seq=r["seq"], ts=r["ts"], kind=r["kind"], job_id=r["job_id"], attempt=r["attempt"],
                           rank=r["rank"], data=msgspec.json.decode(r["data"])) for r in rows]
+
+
+@dataclass(eq=False)
+class _Op:
+    """A write waiting for its transaction, then its result."""
+
+    what: str
+    fn: Callable[[sqlite3.Connection], Any]
+    job_id: str | None
+    result: Any = None
+    error: Exception | None = None
+    done: bool = False
+
+
+def _in_transaction(conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]) -> list[Any]:
+    """Run `fns` in one transaction (all or none); their results."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        results = [fn(conn) for fn in fns]
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return results
 
 
 def _upsert(conn: sqlite3.Connection, table: str, key: tuple[str, ...], row: dict[str, Any]) -> None:
