@@ -76,25 +76,26 @@ class GpuWatch:
     """Each GPU's processes and memory before a job; `assert_free` proves the job left nothing there."""
 
     def __init__(self) -> None:
-        self.before = {g.index: g for g in gpus.nvml_discover()}
+        self.before = {g.entry: g for g in gpus.nvml_discover()}
         self.seen_rank_pids = False
 
     async def saw_ranks(self, job: JobView) -> bool:
         """While the job runs: does NVML list any of its rank pids on a GPU? (False in a pid namespace.)"""
         pids = {r.pid for r in job.ranks if r.pid is not None}
-        for index in self.before:
-            if pids & {p.pid for p in await gpus.processes_async(index)}:
+        for gpu in self.before.values():
+            if pids & {p.pid for p in await gpus.processes_async(gpu)}:
                 self.seen_rank_pids = True
         return self.seen_rank_pids
 
     def assert_free(self, jobs: list[JobView]) -> None:
         pids = {r.pid for j in jobs for r in j.ranks if r.pid is not None}
-        after = {g.index: g for g in gpus.nvml_discover()}
-        for index, info in after.items():
-            left = pids & {p.pid for p in gpus.processes(index)}
-            assert not left, f"GPU {index} still has rank processes {sorted(left)}"
-            grew = info.memory_used - self.before[index].memory_used
-            assert grew < MEMORY_SLACK, f"GPU {index} holds {grew >> 20} MiB more than before the job"
+        for info in gpus.nvml_discover():
+            left = pids & {p.pid for p in gpus.processes(info)}
+            assert not left, f"GPU {info.label} still has rank processes {sorted(left)}"
+            before = self.before[info.entry].memory_used
+            if info.memory_used is not None and before is not None:
+                grew = info.memory_used - before
+                assert grew < MEMORY_SLACK, f"GPU {info.label} holds {grew >> 20} MiB more than before the job"
 
 
 @pytest.fixture

@@ -36,13 +36,16 @@ async def test_daemon_and_status_show_the_gpu_its_job_and_the_ranks_memory(
     view = await d.client.status(job_id)
     [gpu] = view.ranks[0].gpus
     held = next(g for g in info.gpu_devices if g.index == gpu.index)
+    assert held.memory_used is not None and held.memory_total is not None
     assert job_id in held.jobs and held.memory_used > 0 and held.memory_total >= held.memory_used
     if await gpu_watch.saw_ranks(view):  # NVML lists the rank's pid (not in a container's pid namespace)
         assert gpu.memory_used is not None and gpu.memory_used > 0
     daemon_text, status_text = await shown(d, "daemon"), await shown(d, "status", job_id)
     print(f"ddpctl daemon:\n{daemon_text}\nddpctl status:\n{status_text}")  # for scripts/gpu-check's report
-    assert f"gpu {gpu.index}" in daemon_text and job_id in daemon_text
-    assert "gpu" in status_text and f"{gpu.index} (" in status_text
+    # one name everywhere: the NVML index with the UUID
+    assert held.uuid == gpu.uuid and gpu.uuid.startswith(("GPU-", "MIG-"))
+    assert f"gpu {gpu.index}" in daemon_text and gpu.uuid in daemon_text and job_id in daemon_text
+    assert "gpu" in status_text and f"{gpu.index} {gpu.uuid}" in status_text
     gate.touch()
     with anyio.fail_after(120):
         done = await d.client.wait(job_id)

@@ -3,10 +3,13 @@ down, and nothing of it left on any GPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import pytest
 
 from ddpd.protocol import JobState
+from ddpd.protocol.control import JobView
 
 from ..conftest import DaemonProc, assert_nothing_left
 from .conftest import GpuWatch, gpu_count, log_of
@@ -15,8 +18,9 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_rank_stuck_before_a_collective_under_nccl(gpu_daemon: DaemonProc, gpu_watch: GpuWatch) -> None:
-    """With two GPUs rank 1 hangs at step 3 while rank 0 waits in NCCL; with one GPU the only rank hangs
-    (NCCL cannot put two ranks on one GPU)."""
+    """With two GPUs rank 1 hangs at step 3 while rank 0 waits in NCCL, and rank 0's flight recorder
+    is dumped (a non-empty file beside the logs); with one GPU the only rank hangs (NCCL cannot put
+    two ranks on one GPU)."""
     d = gpu_daemon
     nproc = min(2, gpu_count())
     stuck = nproc - 1
@@ -34,6 +38,16 @@ async def test_rank_stuck_before_a_collective_under_nccl(gpu_daemon: DaemonProc,
     assert all(r.stack_dump for r in job.ranks), job.ranks
     text = log_of(job, stuck)
     assert "HANGING at step 3" in text and "Thread 0x" in text and "in on_step" in text
+    if nproc == 2:  # rank 0 waited in an NCCL collective: its flight recorder was dumped beside the logs
+        dumps = sorted(Path(rank_log(job, 0)).parent.glob("nccl-trace-rank-*"))
+        assert dumps and all(p.stat().st_size > 0 for p in dumps), (dumps, log_of(job, 0)[-2000:])
+        assert "flight recorder: dumped to" in log_of(job, 0)
     assert_nothing_left([job])
     gpu_watch.assert_free([job])
     print(f"NVML listed the ranks' pids while they ran: {seen}", flush=True)
+
+
+def rank_log(job: JobView, rank: int) -> str:
+    path = job.ranks[rank].log
+    assert path is not None
+    return path

@@ -36,11 +36,15 @@ async def test_gpu_gauges_show_memory_utilisation_and_the_holding_job(short_tmp:
         await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.data["step"] >= 2)
         series = await _scrape(port)
         for g in nvml:
-            key = (("gpu", str(g.index)), ("uuid", g.uuid))
+            key = (("gpu", g.label), ("uuid", g.uuid))
             assert series[("ddpd_gpu_memory_total_bytes", key)] == g.memory_total
-            assert 0 < series[("ddpd_gpu_memory_used_bytes", key)] <= g.memory_total
+            assert 0 < series[("ddpd_gpu_memory_used_bytes", key)] <= (g.memory_total or 0)
         held = [dict(k) for (name, k), v in series.items() if name == "ddpd_gpu_job" and v == 1]
-        assert held == [{"gpu": str(nvml[0].index), "job_id": job_id}]  # the first free GPU, this job's
+        # the first free GPU, this job's, named as status names it (NVML index and UUID)
+        assert held == [{"gpu": nvml[0].label, "uuid": nvml[0].uuid, "job_id": job_id}]
+        [rank_gpu] = (await d.client.status(job_id)).ranks[0].gpus
+        assert (str(rank_gpu.index), rank_gpu.uuid) == (nvml[0].label, nvml[0].uuid)
+        assert series[("ddpd_gpu_held_ratio", (("gpu", nvml[0].label), ("uuid", nvml[0].uuid)))] == 1.0
         assert any(name == "ddpd_gpu_utilization_percent" for name, _ in series)
         await d.client.cancel(job_id)
         with anyio.fail_after(60):

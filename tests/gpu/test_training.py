@@ -1,4 +1,5 @@
-"""CUDA training through the daemon: the seed program, NCCL with one and two ranks, bf16, resume."""
+"""CUDA training through the daemon: the seed program on one GPU (fractions), the physical GPU by UUID, two
+jobs sharing a GPU, NCCL (task and script), no host sync within a step, bf16, resume."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import os
 import re
 import signal
+from pathlib import Path
 
 import anyio
 import pytest
@@ -14,7 +16,8 @@ from ddpd.protocol import JobState
 from ddpd.protocol.control import JobView
 
 from ..conftest import REPO, DaemonProc, assert_nothing_left
-from .conftest import GpuWatch, log_of, needs_gpus
+from ..scripts.helpers import gated, rank_reports, wait_waiting_at_gate
+from .conftest import GpuWatch, gpu_count, log_of, needs_gpus
 
 pytestmark = pytest.mark.anyio
 
@@ -24,20 +27,19 @@ def succeeded(job: JobView) -> None:
                                                                            for r in job.ranks])
 
 
-async def test_seed_program_gloo_with_cuda_tensors_two_ranks_share_gpu0(gpu_daemon: DaemonProc,
-                                                                         gpu_watch: GpuWatch) -> None:
-    """The classic program both ways: as the built-in two-layer task (gloo, device auto) and as an
-    unmodified script; two ranks on GPU 0, equal parameters on both ranks."""
+async def test_seed_program_gloo_with_cuda_tensors_two_ranks_share_one_gpu(gpu_daemon: DaemonProc,
+                                                                           gpu_watch: GpuWatch) -> None:
+    """The classic program both ways, with two ranks on one GPU (gpus_per_rank 0.5): as the built-in
+    two-layer task (gloo, device auto) and as the unmodified script; equal parameters on both ranks."""
     d = gpu_daemon
-    share = {"CUDA_VISIBLE_DEVICES": "0"}
     task = await d.run(d.spec(task="tests.gpu.tasks:report_device", nproc=2, steps=20, backend="gloo",
-                              env=share, options={"require_cuda": True}))
+                              gpus_per_rank=0.5, options={"require_cuda": True}))
     succeeded(task)
     for r in (0, 1):
         assert "DEVICE cuda:0 count=1" in log_of(task, r)
     assert task.ranks[0].checksum == task.ranks[1].checksum is not None
 
-    script = await d.run(d.spec(script=[str(REPO / "tests/gpu/seed_script.py")], nproc=2, env=share))
+    script = await d.run(d.spec(script=[str(REPO / "tests/gpu/seed_script.py")], nproc=2, gpus_per_rank=0.5))
     succeeded(script)
     lines = [re.search(r"SEED done rank=(\d) device=(\d) checksum=(\S+)", log_of(script, r)) for r in (0, 1)]
     assert all(lines), [log_of(script, r)[-2000:] for r in (0, 1)]
@@ -45,6 +47,76 @@ async def test_seed_program_gloo_with_cuda_tensors_two_ranks_share_gpu0(gpu_daem
     assert len({m.group(3) for m in lines if m}) == 1
     assert_nothing_left([task, script])
     gpu_watch.assert_free([task, script])
+
+
+def _reported(job: JobView, rank: int) -> dict[str, str]:
+    found = re.search(r"DEVICE (\S+) count=(\d+) visible='([^']*)' uuid=(\S+)", log_of(job, rank))
+    assert found, log_of(job, rank)[-2000:]
+    return dict(zip(("device", "count", "visible", "uuid"), found.groups(), strict=True))
+
+
+async def test_each_rank_runs_on_the_physical_gpu_it_was_given(gpu_daemon: DaemonProc, gpu_watch: GpuWatch) -> None:
+    """torch's device UUID is the UUID the daemon put in CUDA_VISIBLE_DEVICES and shows in `ddpctl daemon`."""
+    d = gpu_daemon
+    info = await d.client.daemon_info()
+    nproc = min(2, len(info.gpu_devices))
+    job = await d.run(d.spec(task="tests.gpu.tasks:report_device", nproc=nproc, steps=5, device="cuda",
+                             gpus_per_rank=1, options={"require_cuda": True}))
+    succeeded(job)
+    uuids = [g.uuid for g in info.gpu_devices]
+    for r in range(nproc):
+        seen = _reported(job, r)
+        assert seen["visible"] == seen["uuid"] and seen["uuid"] in uuids, (seen, uuids)
+    assert len({_reported(job, r)["uuid"] for r in range(nproc)}) == nproc
+    assert_nothing_left([job])
+    gpu_watch.assert_free([job])
+
+
+async def test_two_jobs_share_one_gpu_with_fractions(gpu_daemon: DaemonProc, gpu_watch: GpuWatch,
+                                                     tmp_path: Path) -> None:
+    """Two one-rank jobs of half a GPU each run at the same time on the same physical GPU."""
+    d = gpu_daemon
+    gate = tmp_path / "gate"
+    ids = [await d.client.submit(gated(d, gate, gpus_per_rank=0.5, device="cuda")) for _ in range(2)]
+    for job_id in ids:
+        await wait_waiting_at_gate(d, job_id)  # both hold their CUDA context at once
+    info = await d.client.daemon_info()
+    shared = [g for g in info.gpu_devices if set(ids) <= set(g.jobs)]
+    assert len(shared) == 1 and shared[0].held == 1.0, info.gpu_devices
+    seen = [(await rank_reports(d.client, job_id))[0]["CUDA_VISIBLE_DEVICES"] for job_id in ids]
+    assert seen == [shared[0].uuid] * 2
+    gate.touch()
+    with anyio.fail_after(120):
+        done = [await d.client.wait(job_id) for job_id in ids]
+    for job in done:
+        succeeded(job)
+    assert_nothing_left(done)
+    gpu_watch.assert_free(done)
+
+
+async def test_an_nccl_script_all_reduces_on_its_own_gpus(gpu_daemon: DaemonProc, gpu_watch: GpuWatch) -> None:
+    d = gpu_daemon
+    nproc = min(2, gpu_count())  # NCCL puts one rank on one GPU
+    job = await d.run(d.spec(script=[str(REPO / "tests/gpu/nccl_script.py")], nproc=nproc, gpus_per_rank=1))
+    succeeded(job)
+    expected = nproc * (nproc + 1) / 2
+    for r in range(nproc):
+        found = re.search(r"NCCL done rank=(\d) device=(\d) sum=(\S+)", log_of(job, r))
+        assert found and float(found.group(3)) == expected and found.group(2) == str(r), log_of(job, r)[-2000:]
+    assert_nothing_left([job])
+    gpu_watch.assert_free([job])
+
+
+async def test_the_built_in_loop_never_syncs_the_host_within_a_step(gpu_daemon: DaemonProc,
+                                                                   gpu_watch: GpuWatch) -> None:
+    """torch.cuda.set_sync_debug_mode("error") over every step but the first: an implicit host-device
+    sync (an .item(), a pageable copy) in the loop's step would fail the rank."""
+    d = gpu_daemon
+    job = await d.run(d.spec(task="tests.gpu.tasks:sync_checked", nproc=1, steps=200, device="cuda"))
+    succeeded(job)
+    assert "SYNC-CHECKED 199 steps" in log_of(job, 0)
+    assert_nothing_left([job])
+    gpu_watch.assert_free([job])
 
 
 async def test_one_rank_nccl(gpu_daemon: DaemonProc, gpu_watch: GpuWatch) -> None:
