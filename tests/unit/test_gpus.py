@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from ddpd.daemon.config import Defaults
 from ddpd.daemon.gpu import gpus
 from ddpd.daemon.gpu.gpus import GpuInfo, NvmlUnavailable
+from ddpd.protocol import Timeouts
 
 from ..fakenvml import pynvml as fakenvml
 from ..fakenvml.pynvml import write_state
@@ -186,7 +188,7 @@ def test_discover_never_imports_torch_in_the_calling_process() -> None:
 
 
 def test_every_job_gets_a_collective_timeout_and_gpu_jobs_the_flight_recorder(tmp_path: Path) -> None:
-    timeouts = {"join": 30.0, "heartbeat": 5.0, "progress": 60.0, "kill_grace": 4.0, "wall": None}
+    timeouts = Defaults(join=30.0, heartbeat=5.0, progress=60.0, kill_grace=4.0).resolve(Timeouts())
     cpu = gpus.rank_defaults(timeouts, tmp_path, gpus=False)
     # after the daemon's own diagnosis (progress 60 + heartbeat 5) and teardown (grace 4), by a minute
     assert cpu == {"DDPD_COLLECTIVE_TIMEOUT": f"{60 + 5 + 4 + 60:g}"}
@@ -201,9 +203,7 @@ def test_every_job_gets_a_collective_timeout_and_gpu_jobs_the_flight_recorder(tm
     assert env["DDPD_COLLECTIVE_TIMEOUT"] == cpu["DDPD_COLLECTIVE_TIMEOUT"]
 
 
-def test_collective_timeout_outlasts_the_join_timeout_and_ignores_bad_values() -> None:
-    assert gpus.collective_timeout({"join": 300.0, "progress": 20.0, "heartbeat": 2.0, "kill_grace": 1.0}) == (
-        300 + 2 + 1 + gpus.COLLECTIVE_MARGIN)
-    defaults = gpus.collective_timeout({})
-    assert defaults == gpus.collective_timeout({"progress": None, "join": float("nan"), "heartbeat": -1})
-    assert defaults >= 600 + 5 + 60
+def test_collective_timeout_outlasts_the_join_timeout_and_the_job_s_own_timeouts_win() -> None:
+    spec = Timeouts(join=300.0, progress=20.0, heartbeat=2.0, kill_grace=1.0)
+    assert gpus.collective_timeout(Defaults().resolve(spec)) == 300 + 2 + 1 + gpus.COLLECTIVE_MARGIN
+    assert gpus.collective_timeout(Defaults().resolve(Timeouts())) == 600 + 10 + 5 + gpus.COLLECTIVE_MARGIN

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ..protocol.paths import daemon_socket_path, daemon_state_dir
-from ..protocol.spec import PRIORITY_LIMIT
+from ..protocol.spec import PRIORITY_LIMIT, Timeouts
 from .logs import parse_level, warn_early
 
 DAY = 86400.0
@@ -43,6 +43,26 @@ class Defaults:
     wall: float | None = None
     kill_grace: float = 5.0
     stop_warning: float = 30.0
+
+    def resolve(self, spec: Timeouts) -> JobTimeouts:
+        """A job's timeouts: its spec's where it sets them, these defaults elsewhere."""
+        return JobTimeouts(join=spec.join or self.join, heartbeat=spec.heartbeat or self.heartbeat,
+                           progress=spec.progress or self.progress, wall=spec.wall or self.wall,
+                           kill_grace=spec.kill_grace or self.kill_grace,
+                           stop_warning=spec.stop_warning or self.stop_warning)
+
+
+@dataclass(frozen=True)
+class JobTimeouts:
+    """One job's timeouts, resolved (`Defaults.resolve`), in seconds; wall None: no wall-time limit.
+    What the scheduler, the attempt's deadlines and teardown, and the ranks' collective timeout read."""
+
+    join: float
+    heartbeat: float
+    progress: float
+    wall: float | None
+    kill_grace: float
+    stop_warning: float
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from ...protocol.channel import Hello, Release, Stop
 from ...protocol.control import RootCause, StacksResult
 from ...protocol.limits import clip_text
 from ...protocol.worker import attempt_marker, marker_entry
-from ..config import Config
+from ..config import Config, JobTimeouts
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.identity import Identity, UnknownUser
@@ -71,7 +71,7 @@ def boot_ticks() -> int:
 
 
 class Attempt:
-    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: dict[str, Any],
+    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: JobTimeouts,
                  pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None,
                  nodes: NodeSession | None = None) -> None:
         self.config = config
@@ -96,10 +96,9 @@ class Attempt:
         self._started = self.clock.monotonic()
         self._started_wall = self.clock.time()
         self._launcher: Launcher | None = None
-        self.limits = Limits(join=float(timeouts["join"]), heartbeat=float(timeouts["heartbeat"]),
-                             progress=float(timeouts["progress"]), heartbeat_interval=config.heartbeat_interval,
-                             wall=None if timeouts.get("wall") is None else float(timeouts["wall"]),
-                             stop_warning=float(timeouts["stop_warning"]))
+        self.limits = Limits(join=timeouts.join, heartbeat=timeouts.heartbeat, progress=timeouts.progress,
+                             heartbeat_interval=config.heartbeat_interval, wall=timeouts.wall,
+                             stop_warning=timeouts.stop_warning)
         # the owner's tree (usertree): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
         self.job_dir = user_job_dir(config.state_dir, job.owner_uid, job.id)
         self.dir = user_attempt_dir(config.state_dir, job.owner_uid, job.id, number)
@@ -407,7 +406,7 @@ class Attempt:
         outcome = self.outcome
         self.gang.reason = outcome.reason
         t0 = self.clock.monotonic()
-        await escalate(self.gang, self.clock, float(self.timeouts["kill_grace"]),
+        await escalate(self.gang, self.clock, self.timeouts.kill_grace,
                        graceful=outcome.graceful, hang=outcome.hang)
         await self.journal.event(self.job, "job.torn_down", seconds=round(self.clock.monotonic() - t0, 3),
                                  reason=outcome.reason)

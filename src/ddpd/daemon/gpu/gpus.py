@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -42,6 +41,8 @@ from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
+
+from ..config import JobTimeouts
 
 FALLBACK_TIMEOUT = 60.0  # seconds for the torch child (a cold `import torch` takes seconds)
 NVML_LOCK_TIMEOUT = 10.0  # seconds to wait for another thread's NVML call before giving up
@@ -335,7 +336,7 @@ async def processes_async(gpu: GpuInfo, timeout: float = CALL_TIMEOUT) -> list[G
         return await anyio.to_thread.run_sync(processes, gpu, limiter=_limit(), abandon_on_cancel=True)
 
 
-def collective_timeout(timeouts: Mapping[str, Any]) -> float:
+def collective_timeout(timeouts: JobTimeouts) -> float:
     """Seconds a rank's collective may wait before NCCL (or gloo) gives up on it.
 
     Past the daemon's own diagnosis: a stuck rank is found by the progress timeout (or the join
@@ -344,12 +345,8 @@ def collective_timeout(timeouts: Mapping[str, Any]) -> float:
     so the daemon names the stuck rank before a waiting peer fails with a timeout of its own; it
     still ends a wait that nothing else would (a daemon with the progress watch off).
     """
-    def seconds(key: str, default: float) -> float:
-        value = timeouts.get(key)
-        return float(value) if isinstance(value, int | float) and math.isfinite(value) and value > 0 else default
-
-    detect = max(seconds("progress", 600.0), seconds("join", 120.0)) + seconds("heartbeat", 10.0)
-    return detect + seconds("kill_grace", 5.0) + COLLECTIVE_MARGIN
+    detect = max(timeouts.progress, timeouts.join) + timeouts.heartbeat
+    return detect + timeouts.kill_grace + COLLECTIVE_MARGIN
 
 
 def nccl_env(attempt_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -370,7 +367,7 @@ def nccl_env(attempt_dir: str | os.PathLike[str]) -> dict[str, str]:
     }
 
 
-def rank_defaults(timeouts: Mapping[str, Any], attempt_dir: str | os.PathLike[str], *, gpus: bool) -> dict[str, str]:
+def rank_defaults(timeouts: JobTimeouts, attempt_dir: str | os.PathLike[str], *, gpus: bool) -> dict[str, str]:
     """What every rank of an attempt starts with before the job's own ``env``: the collective
     timeout (``DDPD_COLLECTIVE_TIMEOUT``, `collective_timeout`: CPU jobs too, the built-in loop and
     script mode's wrapped ``init_process_group`` pass it), and on GPUs the flight recorder (`nccl_env`)."""

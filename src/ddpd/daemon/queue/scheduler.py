@@ -23,7 +23,7 @@ from ...protocol.control import RootCause
 from ...protocol.spec import is_multinode
 from ...protocol.worker import marker_entry
 from ..attempt.attempt import Attempt, Outcome
-from ..config import Config
+from ..config import Config, JobTimeouts
 from ..contain.cgroups import Subtree
 from ..contain.usertree import remove_job_dir
 from ..gpu.drain import drain_job
@@ -92,17 +92,8 @@ class Scheduler:
     def state_counts(self) -> dict[JobState, int]:
         return self.table.state_counts()
 
-    def timeouts(self, spec: JobSpec) -> dict[str, Any]:
-        d = self.config.defaults
-        t = spec.timeouts
-        return {
-            "join": t.join or d.join,
-            "heartbeat": t.heartbeat or d.heartbeat,
-            "progress": t.progress or d.progress,
-            "wall": t.wall or d.wall,
-            "kill_grace": t.kill_grace or d.kill_grace,
-            "stop_warning": t.stop_warning or d.stop_warning,
-        }
+    def timeouts(self, spec: JobSpec) -> JobTimeouts:
+        return self.config.defaults.resolve(spec.timeouts)
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
@@ -270,7 +261,7 @@ class Scheduler:
     async def _attempts(self, job: Job) -> None:
         timeouts = self.timeouts(job.spec)
         multi = is_multinode(job.spec)
-        nodes = NodeSession(job.spec, self.config.port_range, float(timeouts["join"])) if multi else None
+        nodes = NodeSession(job.spec, self.config.port_range, timeouts.join) if multi else None
         if nodes is not None:
             job.nodes = nodes.nodes
         try:
@@ -281,7 +272,7 @@ class Scheduler:
                     final = job.state.final
                     await nodes.close(job.state.value.lower() if final else "stopped", final=final)
 
-    async def _attempt_loop(self, job: Job, timeouts: dict[str, Any], nodes: NodeSession | None) -> None:
+    async def _attempt_loop(self, job: Job, timeouts: JobTimeouts, nodes: NodeSession | None) -> None:
         while True:
             job.attempt += 1
             job.ranks = []
