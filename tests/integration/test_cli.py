@@ -141,6 +141,11 @@ async def test_submit_follow_exit_codes_and_bad_specs(daemon: DaemonProc) -> Non
     assert done.returncode == 2 and "nproc" in err(done) and "bad_spec" in err(done)
     done = await ddpctl(daemon, "submit", "--nproc", "999")  # more ranks than CPU slots: never fits
     assert done.returncode == 2 and "nproc: can never run here" in err(done)
+    assert "cpu_slots" in err(done) and "--oversubscribe" in err(done)  # bug: the setting was not named
+    slots = (await daemon.client.daemon_info()).cpu_slots
+    done = await ddpctl(daemon, "submit", "--nproc", str(slots + 1), "--oversubscribe", "--steps", "2", "--follow")
+    assert done.returncode == 0 and f"{slots + 1} ranks on the daemon's {slots} CPU slots" in err(done), err(done)
+    over_id = out(done).splitlines()[0]
     done = await ddpctl(daemon, "submit", "--task", "no such task")
     assert done.returncode == 2 and "task" in err(done)
     done = await ddpctl(daemon, "submit", "--", "tests/scripts/missing.py")
@@ -148,7 +153,7 @@ async def test_submit_follow_exit_codes_and_bad_specs(daemon: DaemonProc) -> Non
     done = await ddpctl(daemon, "submit", "--env", "NOEQUALS")
     assert done.returncode == 2 and "KEY=VALUE" in err(done)
     jobs = await daemon.client.list_jobs()
-    assert {j.id for j in jobs} == {job_id, module_id, failed_id}
+    assert {j.id for j in jobs} == {job_id, module_id, failed_id, over_id}
     assert_nothing_left(jobs)
 
 

@@ -34,7 +34,7 @@ def test_an_unknown_shell_is_a_usage_error() -> None:
 def test_every_job_argument_completes_job_ids() -> None:
     for name in ("status", "wait", "cancel", "rm", "logs", "events", "stacks", "watch", "resubmit"):
         params = {p.name: p for p in cli.commands[name].params}
-        assert params["job_id"].type is JOB_ID, name
+        assert params["job_ids" if name == "cancel" else "job_id"].type is JOB_ID, name
     assert {p.name: p for p in cli.commands["submit"].params}["after"].type is JOB_ID
 
 

@@ -64,9 +64,18 @@ def submit(idempotency_key: str | None, follow: bool, reconnect: float, socket_p
     click.echo(result.job_id)
     if result.existing:
         note(f"job {result.job_id} was already submitted with this idempotency key")
+    if spec.oversubscribe:
+        _warn_oversubscribed(client, spec.nproc)
     if follow:
         sys.stdout.flush()
         exit_for(_follow_to_end(client, result.job_id, reconnect))
+
+
+def _warn_oversubscribed(client: Client, nproc: int) -> None:
+    slots = client.daemon_info().cpu_slots
+    if nproc > slots:
+        note(f"warning: {nproc} ranks on the daemon's {slots} CPU slots (cpu_slots, --oversubscribe): they share "
+             "cores and each runs slower", "yellow")
 
 
 def _follow_to_end(client: Client, job_id: str, reconnect: float) -> JobView:

@@ -86,5 +86,5 @@ def complete_job_ids(group: click.Group) -> None:
     """Give every `job_id` argument and `--after` option of the group's commands the JobIdType."""
     for command in group.commands.values():
         for param in command.params:
-            if param.name in ("job_id", "after") and isinstance(param.type, click.types.StringParamType):
+            if param.name in ("job_id", "job_ids", "after") and isinstance(param.type, click.types.StringParamType):
                 param.type = JOB_ID

@@ -1,6 +1,6 @@
-"""How ddpctl shows a job's training curve: the progress line of `watch` (steps/s, ETA, a sparkline of the
-loss), `plot` in the terminal (drawn here, by the PNG's rules) or as a PNG (matplotlib, the optional extra ``plot``), and the
-export of `metrics` (CSV or JSON).
+"""How ddpctl shows a job's training curve: the progress line of `watch` (steps/s, ETA, a sparkline of
+the loss), `plot` in the terminal (drawn here, by the PNG's rules) or as a PNG (matplotlib, the
+optional extra ``plot``), and the export of `metrics` (CSV or JSON).
 """
 
 from __future__ import annotations

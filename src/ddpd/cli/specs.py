@@ -35,9 +35,9 @@ _TIMEOUTS = {
     "stop_warning": "stop_warning",
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
-_PLAIN = ("name", "task", "nproc", "backend", "device", "gpus_per_rank", "steps", "seed", "max_restarts",
-          "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id", "rdzv_backend",
-          "rdzv_keep_alive", "rdzv_last_call")
+_PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
+          "max_restarts", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id",
+          "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
 
@@ -84,6 +84,8 @@ _OPTIONS: list[Callable[[F], F]] = [
     ),
     click.option("--nproc", "--nproc-per-node", "nproc", type=int, default=None,
                  help="Number of ranks (on this node) [default: 1]."),
+    click.option("--oversubscribe", is_flag=True, default=None,
+                 help="Run even with more ranks than the daemon's CPU slots (cpu_slots): they share cores."),
     click.option("--nnodes", default=None, metavar="N|MIN:MAX",
                  help="Nodes of a multi-node job (torchrun's flag); one submit per node [default: 1]."),
     click.option("--rdzv-endpoint", "rdzv_endpoint", default=None, metavar="HOST:PORT",

@@ -72,6 +72,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                       msgspec.Meta(max_length=MAX_ARGS)] | None = None
     module: bool = False
     nproc: Annotated[int, msgspec.Meta(ge=1, le=MAX_NPROC)] = 1
+    oversubscribe: bool = False  # more ranks than the daemon's CPU slots: run anyway, holding all of them
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # whole GPUs per rank, or a fraction of one GPU below 1 in thousandths (0.5: two ranks share a GPU)

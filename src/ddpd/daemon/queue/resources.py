@@ -55,9 +55,15 @@ class Resources:
             return (f"needs {devices} GPUs ({spec.nproc} ranks x {spec.gpus_per_rank:g}) but the daemon has "
                     f"{self.total_gpus}")
         cpu = self.need(spec)[1]
-        if cpu > self.total_cpu:
-            return f"needs {cpu} CPU slots ({spec.nproc} ranks) but the daemon has {self.total_cpu}"
+        if cpu > self.total_cpu and not spec.oversubscribe:
+            return (f"needs {cpu} CPU slots ({spec.nproc} ranks) but the daemon has {self.total_cpu} (its "
+                    "cpu_slots setting); --oversubscribe runs it anyway, its ranks sharing cores")
         return None
+
+    def cpu_of(self, spec: JobSpec) -> int:
+        """CPU slots the job holds: one per rank, all the daemon has for an oversubscribed job."""
+        cpu = self.need(spec)[1]
+        return min(cpu, self.total_cpu) if spec.oversubscribe else cpu
 
     def _place(self, spec: JobSpec) -> list[str] | None:
         """Each rank's devices, in rank order, on a copy of the free shares; None where they do not fit."""
@@ -75,7 +81,7 @@ class Resources:
 
     def take(self, spec: JobSpec) -> list[str] | None:
         """The devices given to the job, rank by rank (empty for a CPU job), or None when it must wait."""
-        _, cpu = self.need(spec)
+        cpu = self.cpu_of(spec)
         if cpu > self.free_cpu:
             return None
         placed = self._place(spec)
@@ -102,7 +108,7 @@ class Resources:
                 self.free_share[entry] = min(GPU_SHARE, self.free_share[entry] + share)
         if job_id is not None:
             self.draining.pop(job_id, None)
-        self.free_cpu += self.need(spec)[1]
+        self.free_cpu += self.cpu_of(spec)
 
     def held_share(self, entry: str) -> float:
         """The fraction of a device jobs hold (0 to 1)."""
