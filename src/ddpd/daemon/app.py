@@ -22,6 +22,8 @@ from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
 from .config import Config, ConfigError, load_config, parse_listen
 from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
+from .contain.portfence import daemon_tag
+from .contain.portfence import sweep as sweep_fences
 from .contain.procs import set_child_subreaper
 from .contain.reaper import reap_forever
 from .contain.usertree import ensure_base
@@ -161,6 +163,7 @@ class Daemon:
         db = await anyio.to_thread.run_sync(StateDB.open_dir, cfg.state_dir)  # StorageError: unusable
         await anyio.to_thread.run_sync(ensure_base, cfg.state_dir)  # root's 0711; users/<uid>/ are the users'
         subtree = await anyio.to_thread.run_sync(containment, cfg)
+        await anyio.to_thread.run_sync(sweep_fences, daemon_tag(cfg.state_dir))  # a killed run's port rules
         set_child_subreaper()
         if subtree is not None:  # interpreter checks a killed daemon left running
             await anyio.to_thread.run_sync(sweep_checks, subtree.jobs)

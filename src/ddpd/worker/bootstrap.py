@@ -221,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         os._exit(EXIT_ORPHANED)
     daemon_pgid = os.getpgid(args.parent)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    if args.agent:
+        from .agent import serve
+
+        serve(socket.socket(fileno=args.fd), daemon_pgid)
     watch_dump_signal()
 
     import torch

@@ -41,8 +41,10 @@ from ..contain import procs
 from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.identity import Identity, UnknownUser
 from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
+from ..contain.portfence import Fence, daemon_tag, fence_port, unfence
 from ..contain.usertree import open_user_file
 from ..gpu.gpus import rank_defaults
+from ..multinode.agentproc import agent_launch
 from ..multinode.multinode import settle, watch_nodes
 from ..multinode.nodes import NodeLayout, NodeSession
 from ..pool.pool import WarmPool
@@ -165,7 +167,8 @@ class Attempt:
                                                                       detail=str(exc)))
         try:
             if self.nodes is not None:
-                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc)
+                launch = agent_launch(self.config, job, self.identity, self.run_as(), self.subtree)
+                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc, launch)
             else:
                 rdzv = await open_rendezvous(self.config.store_host, self.config.port_range)
         except RendezvousError as exc:
@@ -180,8 +183,10 @@ class Attempt:
                                              defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus)),
                                              identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
                                              checkpoint_dir=self.checkpoint_dir, layout=self.layout)
+        fence: Fence | None = None
         self._logs = LogKeeper(self.journal, job, self.number)  # watches the ranks' logs as they start
         try:
+            fence = await self._fence(rdzv)  # before any rank starts
             async with anyio.create_task_group() as tg:
                 try:
                     tg.start_soon(self._logs.run)
@@ -204,6 +209,8 @@ class Attempt:
                     h.logs.close()
             self._logs.close()
             rdzv.close()
+            with anyio.CancelScope(shield=True):
+                await unfence(fence)
         assert self.outcome is not None
         outcome = self._finish_outcome(self.outcome)
         if self.nodes is not None:
@@ -331,6 +338,21 @@ class Attempt:
                                       pooled=h.pooled)
         assert self._launcher is not None
         await hand_over(self._launcher.rdzv, h.channel, self._launcher.assignment(h, self.gang.pgid or 0))
+
+    async def _fence(self, rdzv: Rendezvous) -> Fence | None:
+        """Only the job's owner (and root) on this host may connect to the store's port (portfence);
+        where the rule cannot be installed, a job event says why and the attempt goes on."""
+        if self.nodes is not None and self.nodes.unfenced:  # the endpoint's port, where this daemon serves it
+            await self.journal.event(self.job, "job.port_unfenced", port=self.nodes.port,
+                                     reason=clip_text(self.nodes.unfenced))
+            self.nodes.unfenced = ""
+        if not rdzv.hosted:
+            return None
+        fence, why = await fence_port(rdzv.port, self.job.owner_uid, daemon_tag(self.config.state_dir),
+                                      f"{self.job.id}/a{self.number}")
+        if fence is None:
+            await self.journal.event(self.job, "job.port_unfenced", port=rdzv.port, reason=clip_text(why))
+        return fence
 
     async def _release_store_host(self, rdzv: Rendezvous) -> None:
         """Local rank 0 serves the store after its own result until every other local rank has exited."""

@@ -1,47 +1,60 @@
-"""Torch's elastic rendezvous as a daemon uses it: the endpoint's store, the handler, blocking calls.
+"""Where a multi-node job's rendezvous endpoint is, seen from this daemon (blocking calls).
 
-- `endpoint_address`: whether the endpoint's host is one of this machine's (or network namespace's)
-  addresses, found by binding it: the daemon there serves the rendezvous store (`serve_store`, on a
-  socket it bound itself); a taken port is a NodeError naming it (`check_endpoint`, at submit).
+- `locate_endpoint`: whether the endpoint's host is one of this machine's (or network namespace's)
+  addresses, found by binding it, and whether its port is taken. This daemon serves the endpoint
+  (its job's rendezvous agent does, on the socket the daemon binds) when it is local and free.
+- A local port that is taken is joined as a client only when the process listening on it is a
+  ddpd rendezvous agent of the same user for the same run id (`port_holders`, from /proc: the
+  listening socket's inode, the process holding it, its real uid and its environment): torchrun's
+  one-host multi-node recipe, two daemons on one host. Anything else is a NodeError naming it.
+- `check_endpoint`, at submit: the above, a privileged port only for root, and never a wildcard
+  address (``0.0.0.0``, ``::``): the endpoint is bound on the address the other nodes reach.
 - `route_address`: this node's address on the way to the endpoint (what the other nodes reach).
-- `make_handler`: torch's ``DynamicRendezvousHandler`` over the ``c10d`` backend, with ddpd's
-  timeouts; it never starts a store server of its own (the daemon serves each attempt's), and it
-  publishes each round's bootstrap address in that round.
-- `call_blocking`: a blocking torch call in a daemon thread of its own, awaited with a deadline and
-  abandoned on cancellation, so a store that no longer answers holds neither the event loop, nor
-  the attempt, nor the daemon's exit.
 """
 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import socket
-import threading
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, TypeVar, cast
-
-import anyio
-import anyio.from_thread
-import anyio.lowlevel
+import struct
+from dataclasses import dataclass
+from pathlib import Path
 
 from ...protocol.nodes import parse_endpoint
 from ...protocol.spec import JobSpec
-from ..attempt.rendezvous import RendezvousError, listen_on
+from ..attempt.rendezvous import RendezvousError
 
-T = TypeVar("T")
-CLOSE_TIMEOUT = 10.0
+RDZV_ENV = b"DDPD_RDZV="
+LISTEN = "0A"
 
 
 class NodeError(RendezvousError):
     """The rendezvous cannot be reached, served or formed: the attempt fails with this text."""
 
 
-def endpoint_address(host: str, port: int) -> str | None:
-    """Blocking: the endpoint's address when it is one of this machine's (or namespace's), else None.
+@dataclass(frozen=True)
+class Endpoint:
+    address: str | None  # the endpoint's address when it is one of this host's, else None
+    taken: bool = False  # its port is in use there
 
-    A local address binds; a taken port on it is a NodeError naming it."""
+
+@dataclass(frozen=True)
+class Holder:
+    """The process listening on a local port."""
+
+    pid: int
+    uid: int
+    ppid: int
+    run_id: str | None  # its DDPD_RDZV (a ddpd rendezvous agent's run id)
+    agent: bool  # its command line is a ddpd rendezvous agent's
+
+    def describe(self) -> str:
+        return f"the daemon with pid {self.ppid} (its rendezvous agent, pid {self.pid})"
+
+
+def locate_endpoint(host: str, port: int) -> Endpoint:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -54,19 +67,53 @@ def endpoint_address(host: str, port: int) -> str | None:
             except OSError as exc:
                 if exc.errno == errno.EADDRNOTAVAIL:
                     continue
-                raise NodeError(f"rdzv_endpoint: port {port} on {addr[0]} is taken ({exc.strerror}); "
-                                "this daemon serves the rendezvous there") from None
-            return str(addr[0])
-    return None
+                return Endpoint(str(addr[0]), taken=True)
+            return Endpoint(str(addr[0]))
+    return Endpoint(None)
+
+
+def endpoint_address(host: str, port: int) -> str | None:
+    """The endpoint's address when it is one of this machine's and free, else None (a remote
+    endpoint); a taken port is a NodeError naming it."""
+    found = locate_endpoint(host, port)
+    if found.taken:
+        raise NodeError(taken_text(port, str(found.address)))
+    return found.address
+
+
+def taken_text(port: int, address: str, holder: Holder | None = None) -> str:
+    why = "" if holder is None else (f" by pid {holder.pid} (uid {holder.uid}), not a ddpd rendezvous of this "
+                                     "user for this run id")
+    return (f"rdzv_endpoint: port {port} on {address} is taken{why} (Address already in use); "
+            "this daemon serves the rendezvous there")
+
+
+def joinable(holders: list[Holder], uid: int, run_id: str) -> bool:
+    """A taken local endpoint that may be joined as a client: held by ddpd rendezvous agents of the
+    same user for the same run id only (a process of another user, or anything else, never)."""
+    return bool(holders) and all(h.agent and h.uid == uid and h.run_id == run_id for h in holders)
 
 
 def check_endpoint(spec: JobSpec, owner_uid: int = 0) -> None:
-    """Blocking, at submit: on the endpoint's host its port must be free (NodeError names it), and
-    not a privileged one unless root submits (the daemon binds it for the job)."""
-    if spec.rdzv_endpoint:
-        host, port = parse_endpoint(spec.rdzv_endpoint)
-        if endpoint_address(host, port) is not None and port < 1024 and owner_uid != 0:
-            raise NodeError(f"rdzv_endpoint: port {port} is privileged: only root may have the daemon serve it")
+    """Blocking, at submit: see the module docstring."""
+    if not spec.rdzv_endpoint:
+        return
+    host, port = parse_endpoint(spec.rdzv_endpoint)
+    try:
+        if ipaddress.ip_address(host).is_unspecified:
+            raise NodeError(f"rdzv_endpoint: {host} is no address the other nodes can reach; give this "
+                            "node's address on their network")
+    except ValueError:  # a host name
+        pass
+    found = locate_endpoint(host, port)
+    if found.address is None:
+        return
+    if found.taken:
+        holders = port_holders(found.address, port)
+        if not joinable(holders, owner_uid, spec.rdzv_id):
+            raise NodeError(taken_text(port, found.address, next(iter(holders), None)))
+    elif port < 1024 and owner_uid != 0:
+        raise NodeError(f"rdzv_endpoint: port {port} is privileged: only root may have the daemon serve it")
 
 
 def route_address(host: str, port: int) -> str:
@@ -80,76 +127,76 @@ def route_address(host: str, port: int) -> str:
         return str(sock.getsockname()[0])
 
 
-def serve_store(address: str, port: int, timeout: float) -> Any:
-    import torch.distributed as dist
-
-    try:
-        sock = listen_on(address, port)
-    except OSError as exc:
-        raise NodeError(f"rdzv_endpoint: cannot bind port {port} on {address}: {exc.strerror}") from None
-    fd = sock.detach()
-    try:
-        return dist.TCPStore(address, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                             timeout=timedelta(seconds=timeout))
-    except BaseException:
-        os.close(fd)
-        raise
+# -- who listens on a local port (/proc) ---------------------------------------------------------
 
 
-def make_handler(store: Any, run_id: str, lo: int, hi: int, local: str, join: float, last_call: float,
-             keep_alive: float) -> Any:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
-
-    class Handler(DynamicRendezvousHandler):  # type: ignore[misc]
-        def _create_tcp_store_server(self, master_addr: Any, master_port: Any) -> Any:
-            return NoServer()  # the daemon serves each attempt's worker store itself
-
-        def next_rendezvous(self) -> Any:
-            # torch keeps the first round's bootstrap address and publishes it only then, while a node
-            # that joins a later round waits for it under that round's prefix: published every round
-            self._bootstrap_store_info = None
-            self._shared_tcp_store_server = None
-            return super().next_rendezvous()
-
-    backend = C10dRendezvousBackend(store, run_id)
-    interval = max(1, round(keep_alive / 3))
-    timeout = RendezvousTimeout(join=timedelta(seconds=join), last_call=timedelta(seconds=last_call),
-                                close=timedelta(seconds=CLOSE_TIMEOUT), heartbeat=timedelta(seconds=interval))
-    return Handler.from_backend(run_id, store, backend, lo, hi, local_addr=local, timeout=timeout,
-                                keep_alive_interval=interval, keep_alive_max_attempt=3)
+def _address(hex_text: str) -> str:
+    raw = bytes.fromhex(hex_text)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hex_text, 16)))
+    words = b"".join(struct.pack("<I", int(hex_text[i:i + 8], 16)) for i in range(0, 32, 8))
+    v6 = ipaddress.IPv6Address(words)
+    return str(v6.ipv4_mapped or v6)
 
 
-class NoServer:
-    port = 0
-
-
-async def call_blocking(fn: Callable[..., T], *args: Any, timeout: float) -> T:
-    """`fn(*args)` in a daemon thread of its own, awaited at most `timeout` seconds.
-
-    A store call to a node that is gone blocks until the store's own timeout: abandoned here,
-    and in a daemon thread, so that neither the attempt nor the daemon's exit waits for it."""
-    done = anyio.Event()
-    token = anyio.lowlevel.current_token()
-    box: list[Any] = []
-
-    def run() -> None:
+def listening_inodes(address: str, port: int, proc: Path = Path("/proc")) -> set[int]:
+    """Inodes of the sockets listening on address:port (or on the wildcard address of its family)."""
+    want = ipaddress.ip_address(address)
+    found = set()
+    for table in ("net/tcp", "net/tcp6"):
         try:
-            box.append((True, fn(*args)))
-        except BaseException as exc:  # handed to the awaiting task
-            box.append((False, exc))
-        try:
-            anyio.from_thread.run_sync(done.set, token=token)
-        except RuntimeError:  # the event loop is gone (abandoned, the daemon stopping)
-            pass
+            lines = (proc / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != LISTEN:
+                continue
+            local, _, port_hex = fields[1].partition(":")
+            if int(port_hex, 16) != port:
+                continue
+            bound = ipaddress.ip_address(_address(local))
+            if bound == want or bound.is_unspecified:
+                found.add(int(fields[9]))
+    return found
 
-    threading.Thread(target=run, name="ddpd-rendezvous", daemon=True).start()
-    with anyio.fail_after(timeout):
-        await done.wait()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return cast(T, value)
+
+def port_holders(address: str, port: int, proc: Path = Path("/proc")) -> list[Holder]:
+    """The processes holding the socket that listens on address:port (none found: empty)."""
+    inodes = listening_inodes(address, port, proc)
+    if not inodes:
+        return []
+    targets = {f"socket:[{i}]" for i in inodes}
+    holders = []
+    for name in os.listdir(proc):
+        if name.isdigit() and _holds(proc / name, targets) and (holder := _describe(proc / name, int(name))):
+            holders.append(holder)
+    return holders
+
+
+def _holds(pid_dir: Path, targets: set[str]) -> bool:
+    try:
+        for fd in os.listdir(pid_dir / "fd"):
+            try:
+                if os.readlink(pid_dir / "fd" / fd) in targets:
+                    return True
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return False
+
+
+def _describe(pid_dir: Path, pid: int) -> Holder | None:
+    try:
+        status = (pid_dir / "status").read_text()
+        environ = (pid_dir / "environ").read_bytes().split(b"\0")
+        cmdline = (pid_dir / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    uid = int(fields.get("Uid", "-1").split()[0])
+    ppid = int(fields.get("PPid", "0").strip())
+    run_id = next((e[len(RDZV_ENV):].decode(errors="replace") for e in environ if e.startswith(RDZV_ENV)), None)
+    agent = b"ddpd.worker" in cmdline and b"--agent" in cmdline
+    return Holder(pid=pid, uid=uid, ppid=ppid, run_id=run_id, agent=agent)

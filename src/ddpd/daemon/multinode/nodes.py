@@ -1,61 +1,70 @@
-"""A multi-node job on this daemon: torch's elastic rendezvous, the rank layout, and the node watch.
+"""A multi-node job on this daemon: torch's elastic rendezvous (through the job's agent), the rank
+layout, and the node watch.
 
 Membership, node ranks and re-forming come from torch's own elastic rendezvous
 (``DynamicRendezvousHandler`` over the ``c10d`` backend, a TCPStore at the job's endpoint), as for
-torchrun; nothing here is a cluster protocol of its own. The daemon whose addresses include the
-endpoint's host binds the endpoint port itself and serves that store for the whole job (a taken
-port is an error naming it); the others connect as clients (see `elastic`). Every blocking call
-of torch runs in a daemon thread, bounded by a deadline and abandoned on cancellation
-(`elastic.call_blocking`), never on the event loop.
+torchrun; nothing here is a cluster protocol of its own. None of torch's rendezvous runs in the
+daemon: the job's rendezvous agent (`agentproc`, a process of the job's user) runs the handler
+and, on the endpoint's host, serves the endpoint's store on a socket the daemon bound (and fenced:
+`contain.portfence`). The daemon asks the agent and reads typed, bounded answers. A local endpoint
+whose port is already served by a ddpd rendezvous agent of the same user for the same run id
+(another daemon on this host) is joined as a client, as torchrun does (`elastic`).
 
-Per attempt (`form`): ``next_rendezvous`` gives this node its rank and the node count; each node
-writes its record (host, daemon, ranks on it) under the round's prefix in the store, the global
-ranks follow torchrun's layout (`protocol.nodes.rank_layout`), and node rank 0's daemon binds the
-attempt's worker store on its own address and publishes HOST:PORT there for the others' ranks.
-While the attempt runs (`watch`) each daemon counts its heartbeat in the store and judges the
-others' with `nodewatch.NodeWatch` on its own clock; an elastic job re-forms when nodes wait to
-join. A failing node writes its root cause in the store (`settle`), so the others end at once and
-show it.
+Per attempt (`form`): the agent's ``next_rendezvous`` gives this node its rank and the node count;
+each node writes its record (host, daemon, ranks on it) under the round's prefix in the store, the
+global ranks follow torchrun's layout (`protocol.nodes.rank_layout`), and node rank 0's daemon
+binds the attempt's worker store port on its own address (its local rank 0 serves it) and
+publishes HOST:PORT there for the others' ranks. While the attempt runs (`poll`) each daemon counts
+its heartbeat in the store and judges the others' with `nodewatch.NodeWatch` on its own clock; an
+elastic job re-forms when nodes wait to join. A failing node writes its root cause in the store
+(`settle`), so the others end at once and show it.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Annotated, Any, TypeVar
 
 import anyio
-import msgspec
+import anyio.to_thread
 import structlog
 
+from ...protocol.agent import (
+    AgentDone,
+    AgentForm,
+    AgentFormed,
+    AgentGetMaster,
+    AgentMaster,
+    AgentOpen,
+    AgentPoll,
+    AgentPolled,
+    AgentPublish,
+    AgentReply,
+    AgentRequest,
+    AgentSetMaster,
+    AgentShutdown,
+    NodeRecord,
+)
 from ...protocol.limits import clip_text
 from ...protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
-from ...protocol.spec import MAX_NPROC, JobSpec
-from ..attempt.rendezvous import Rendezvous, open_rendezvous
-from .elastic import (
-    CLOSE_TIMEOUT,
-    NodeError,
-    call_blocking,
-    endpoint_address,
-    make_handler,
-    route_address,
-    serve_store,
-)
+from ...protocol.spec import JobSpec
+from ..attempt.rendezvous import Rendezvous, listen_on, open_rendezvous
+from ..contain.portfence import Fence, daemon_tag, fence_port, unfence
+from .agentproc import AgentLaunch, RendezvousAgent
+from .elastic import NodeError, joinable, locate_endpoint, port_holders, route_address, taken_text
 from .nodewatch import NodeWatch, Verdict
 
 log = structlog.get_logger("ddpd")
-T = TypeVar("T")
 
 DEFAULT_KEEP_ALIVE = 15.0  # torchrun's: 3 keep-alive beats of 5 s
 DEFAULT_LAST_CALL = 30.0
-FAILED_KEY = "ddpd/failed"
-MASTER_KEY = "ddpd/master"
+CLOSE_TIMEOUT = 10.0
+START_TIMEOUT = 60.0  # the agent's start and its store (an interpreter importing torch)
 FINAL = ("succeeded", "failed", "cancelled", "timed_out")
+
+__all__ = ["NodeError", "NodeLayout", "NodeRecord", "NodeSession"]
 
 
 @dataclass(frozen=True)
@@ -70,17 +79,8 @@ class NodeLayout:
     restart_count: int
 
 
-class NodeRecord(msgspec.Struct, forbid_unknown_fields=True):
-    """What each node's daemon writes about itself in the round's store (read back typed and bounded)."""
-
-    host: Annotated[str, msgspec.Meta(max_length=255)]
-    daemon: Annotated[str, msgspec.Meta(max_length=300)]
-    nproc: Annotated[int, msgspec.Meta(ge=0, le=MAX_NPROC)]
-    state: Annotated[str, msgspec.Meta(max_length=32)]
-
-
 class NodeSession:
-    """One multi-node job on this daemon, across its attempts (`form`, `watch`, `settle`, `close`)."""
+    """One multi-node job on this daemon, across its attempts (`form`, `poll`, `settle`, `close`)."""
 
     def __init__(self, spec: JobSpec, port_range: tuple[int, int] | None, join_timeout: float,
                  daemon: str | None = None) -> None:
@@ -93,137 +93,144 @@ class NodeSession:
         self.port_range = port_range
         self.join_timeout = join_timeout
         self.daemon = daemon or f"{socket.gethostname()}:{os.getpid()}"
-        self.store: Any = None  # the rendezvous store (served here, or a client)
+        self.agent: RendezvousAgent | None = None  # the job's rendezvous agent on this node
+        self.fence: Fence | None = None  # the endpoint port's, where this daemon serves it
         self.serving = False
-        self.handler: Any = None
+        self.served_by = ""  # who serves the endpoint: this daemon, or another daemon on this host
         self.address = ""  # this node's address
-        self.round: Any = None  # the current round's prefix store
+        self.formed = False  # a round is current
         self.layout: NodeLayout | None = None
         self.watch_state: NodeWatch | None = None
         self.membership_changes = 0  # re-forms for waiting nodes: not counted against max_restarts
         self.nodes: list[NodeView] = []  # what this daemon knows of the job's nodes (the job view)
         self.records: dict[int, NodeRecord] = {}
+        self.unfenced = ""  # why the endpoint port could not be fenced ("" when it is, or not served)
 
-    async def _call(self, fn: Callable[..., T], *args: Any, timeout: float) -> T:
-        return await call_blocking(fn, *args, timeout=timeout)
+    async def _ask(self, request: AgentRequest, timeout: float, fds: tuple[int, ...] = ()) -> AgentReply:
+        if self.agent is None:
+            raise NodeError("the rendezvous agent is not running")
+        return await self.agent.call(request, timeout, fds)
+
+    def _id(self) -> int:
+        assert self.agent is not None
+        return self.agent.next_id()
 
     # -- forming ---------------------------------------------------------------------------
 
-    async def open(self) -> None:
-        if self.handler is not None:
+    async def open(self, launch: AgentLaunch) -> None:
+        """Start the job's agent and open the rendezvous (served here, or joined)."""
+        if self.agent is not None:
             return
-        local = await self._call(endpoint_address, self.host, self.port, timeout=30)
-        if local is not None:
-            self.store = await self._call(serve_store, local, self.port, self.keep_alive, timeout=30)
-            self.serving, self.address = True, local
-        else:
-            import torch.distributed as dist
-
-            self.address = await self._call(route_address, self.host, self.port, timeout=30)
+        found = await anyio.to_thread.run_sync(locate_endpoint, self.host, self.port)
+        listener = None
+        if found.address is not None and not found.taken:
             try:
-                self.store = await self._call(
-                    functools.partial(dist.TCPStore, self.host, self.port, is_master=False,
-                                      timeout=timedelta(seconds=self.join_timeout)), timeout=self.join_timeout + 5)
-            except (RuntimeError, TimeoutError) as exc:
-                raise NodeError(f"the rendezvous store at {self.spec.rdzv_endpoint} did not answer within "
-                                f"{self.join_timeout:.0f} s: {exc}") from None
-        self.handler = await self._call(make_handler, self.store, self.spec.rdzv_id, self.min_nodes, self.max_nodes,
-                                        self.address, self.join_timeout, self.last_call, self.keep_alive,
-                                        timeout=30)
-
-    async def form(self, number: int, nproc: int) -> tuple[Rendezvous, NodeLayout]:
-        """Join the next round; this node's layout, and the attempt's worker store (served here on node 0)."""
+                listener = listen_on(found.address, self.port)
+            except OSError as exc:
+                raise NodeError(f"rdzv_endpoint: cannot bind port {self.port} on {found.address}: "
+                                f"{exc.strerror}") from None
+            self.serving, self.address, self.served_by = True, found.address, "this daemon"
+        elif found.address is not None:  # taken: joined only when another daemon's agent of this user serves it
+            holders = await anyio.to_thread.run_sync(port_holders, found.address, self.port)
+            if not joinable(holders, launch.owner_uid, self.spec.rdzv_id):
+                raise NodeError(taken_text(self.port, found.address, next(iter(holders), None)))
+            self.address, self.served_by = found.address, holders[0].describe()
+        else:
+            self.address = await anyio.to_thread.run_sync(route_address, self.host, self.port)
+            self.served_by = f"the daemon at {self.host}"
         try:
-            await self.open()
-            info = await self._call(self.handler.next_rendezvous, timeout=self.join_timeout + 10)
+            if listener is not None:
+                self.fence, self.unfenced = await fence_port(self.port, launch.owner_uid, daemon_tag(launch.state_dir),
+                                                             f"{launch.job_id}/rdzv")
+            self.agent = await RendezvousAgent.start(launch)
+            fds = () if listener is None else (listener.fileno(),)
+            request = AgentOpen(id=self._id(), run_id=self.spec.rdzv_id, host=self.host, port=self.port,
+                                address=self.address, serve=listener is not None, min_nodes=self.min_nodes,
+                                max_nodes=self.max_nodes, join_timeout=self.join_timeout,
+                                last_call=self.last_call, keep_alive=self.keep_alive)
+            await self._ask(request, START_TIMEOUT + self.join_timeout, fds)
+        except TimeoutError:
+            raise NodeError(f"the rendezvous store at {self.spec.rdzv_endpoint} did not answer within "
+                            f"{self.join_timeout:.0f} s") from None
+        finally:
+            if listener is not None:
+                listener.close()  # the agent has its own copy (or failed: the port is free again)
+        log.info("nodes.opened", served_by=self.served_by, agent=self.agent.pid if self.agent else None)
+
+    async def form(self, number: int, nproc: int, launch: AgentLaunch) -> tuple[Rendezvous, NodeLayout]:
+        """Join the next round; this node's layout, and the attempt's worker store (bound here on node 0)."""
+        await self.open(launch)
+        record = NodeRecord(host=self.address, daemon=self.daemon, nproc=nproc, state="starting")
+        try:
+            formed = await self._ask(AgentForm(id=self._id(), record=record, timeout=self.join_timeout),
+                                     self.join_timeout * 2 + 10)
         except TimeoutError:
             raise NodeError(f"the rendezvous {self.spec.rdzv_id} at {self.spec.rdzv_endpoint} did not form "
                             f"within {self.join_timeout:.0f} s ({self.spec.nnodes} nodes)") from None
-        except RuntimeError as exc:  # torch's RendezvousError and store errors
-            raise NodeError(f"rendezvous {self.spec.rdzv_id}: {type(exc).__name__}: {exc}") from None
-        node, nnodes = int(info.rank), int(info.world_size)
-        self.round = store = info.store
-        record = NodeRecord(host=self.address, daemon=self.daemon, nproc=nproc, state="starting")
-        keys = [f"ddpd/node/{n}" for n in range(nnodes)]
-
-        def exchange() -> list[bytes]:
-            store.set(keys[node], msgspec.json.encode(record))
-            store.add(f"ddpd/hb/{node}", 1)
-            store.wait(keys, timedelta(seconds=self.join_timeout))
-            return list(store.multi_get(keys))
-
-        try:
-            raw = await self._call(exchange, timeout=self.join_timeout + 5)
-        except (RuntimeError, TimeoutError) as exc:
-            raise NodeError(f"the {nnodes} nodes did not all publish their records: {exc}") from None
-        try:  # written by other machines: typed and bounded before use
-            records = [msgspec.json.decode(bytes(v), type=NodeRecord) for v in raw]
-        except msgspec.ValidationError as exc:
-            raise NodeError(f"a node published a bad record in the rendezvous store: {exc}") from None
-        self.records = dict(enumerate(records))
-        sizes = [r.nproc for r in records]
-        offset, world = rank_layout(sizes, node)
+        assert isinstance(formed, AgentFormed)
+        node, nnodes = formed.node_rank, formed.nnodes
+        if len(formed.records) != nnodes or node >= nnodes or any(r is None for r in formed.records):
+            raise NodeError("a node published a bad record in the rendezvous store")
+        self.formed = True
+        self.records = {i: r for i, r in enumerate(formed.records) if r is not None}
+        offset, world = rank_layout([r.nproc for r in self.records.values()], node)
         self.layout = NodeLayout(node, nnodes, offset, world, self.spec.rdzv_id,
                                  number - 1 - self.membership_changes)
-        if node == 0:
-            rdzv = await open_rendezvous(self.address, self.port_range)
-            await self._call(store.set, MASTER_KEY, f"{rdzv.host}:{rdzv.port}", timeout=self.keep_alive)
-        else:
-            def master() -> str:
-                store.wait([MASTER_KEY], timedelta(seconds=self.join_timeout))
-                return bytes(store.get(MASTER_KEY)).decode()
-
-            try:
-                value = await self._call(master, timeout=self.join_timeout + 5)
-            except (RuntimeError, TimeoutError) as exc:
-                raise NodeError(f"node 0 did not publish its worker store: {exc}") from None
-            host, _, port = value.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 255:
-                raise NodeError(f"node 0 published a bad worker store address: {value[:300]!r}")
-            rdzv = Rendezvous(host=host, port=int(port))
+        rdzv = await self._worker_store(node)
         self.watch_state = None
         self._view()
         log.info("nodes.formed", node_rank=node, nnodes=nnodes, offset=offset, world_size=world,
                  master=f"{rdzv.host}:{rdzv.port}")
         return rdzv, self.layout
 
+    async def _worker_store(self, node: int) -> Rendezvous:
+        """Node 0: bind the attempt's worker store port and publish it; the others: read it."""
+        if node == 0:
+            rdzv = await open_rendezvous(self.address, self.port_range)
+            try:
+                await self._ask(AgentSetMaster(id=self._id(), address=f"{rdzv.host}:{rdzv.port}"), self.keep_alive)
+            except (NodeError, TimeoutError) as exc:
+                rdzv.close()
+                raise NodeError(f"cannot publish the worker store: {exc}") from None
+            return rdzv
+        try:
+            reply = await self._ask(AgentGetMaster(id=self._id(), timeout=self.join_timeout), self.join_timeout + 5)
+        except TimeoutError as exc:
+            raise NodeError(f"node 0 did not publish its worker store: {exc}") from None
+        assert isinstance(reply, AgentMaster)
+        host, _, port = reply.address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(host) > 255:
+            raise NodeError(f"node 0 published a bad worker store address: {reply.address[:300]!r}")
+        return Rendezvous(host=host, port=int(port))
+
     # -- watching --------------------------------------------------------------------------
 
     async def poll(self, now: float) -> Verdict | None:
         """Count our heartbeat, read the others' and their records; the verdict if the attempt must end."""
-        layout, store = self.layout, self.round
-        assert layout is not None and store is not None
+        layout = self.layout
+        assert layout is not None and self.formed
         if self.watch_state is None:
             peers = [n for n in range(layout.nnodes) if n != layout.node_rank]
             self.watch_state = NodeWatch(self.keep_alive, peers, now)
         watch = self.watch_state
         n = layout.nnodes
-        keys = [f"ddpd/hb/{i}" for i in range(n)] + [f"ddpd/node/{i}" for i in range(n)]
-        elastic = n < self.max_nodes
-
-        def read() -> tuple[list[bytes], str | None, int]:
-            store.add(f"ddpd/hb/{layout.node_rank}", 1)
-            values = store.multi_get(keys)
-            failed = bytes(store.get(FAILED_KEY)).decode() if store.check([FAILED_KEY]) else None
-            waiting = int(self.handler.num_nodes_waiting()) if elastic else 0
-            return values, failed, waiting
-
+        request = AgentPoll(id=self._id(), node_rank=layout.node_rank, nnodes=n, elastic=n < self.max_nodes)
         try:
-            values, failed, waiting = await self._call(read, timeout=self.interval * 2)
-        except (RuntimeError, TimeoutError, OSError, ValueError):
+            polled = await self._ask(request, self.interval * 2)
+        except (NodeError, TimeoutError):
             return watch.verdict(now)
+        assert isinstance(polled, AgentPolled)
         watch.answered(now)
-        for i in range(n):
-            try:
-                watch.beat(i, int(values[i]), now)
-                self.records[i] = msgspec.json.decode(bytes(values[n + i]), type=NodeRecord)
-            except (ValueError, msgspec.ValidationError):  # another machine's writing: ignored when bad
-                pass
-        if failed is not None:
-            watch.failed(clip_text(failed))
+        for i, (beat, record) in enumerate(zip(polled.beats[:n], polled.records[:n], strict=False)):
+            if beat is not None:
+                watch.beat(i, beat, now)
+            if record is not None:  # another machine's writing: ignored when bad
+                self.records[i] = record
+        if polled.failed is not None:
+            watch.failed(clip_text(polled.failed))
         self._view()
-        if waiting > 0:
-            return Verdict("waiting", node=waiting)
+        if polled.waiting > 0:
+            return Verdict("waiting", node=polled.waiting)
         return watch.verdict(now)
 
     def describe(self, verdict: Verdict) -> str:
@@ -250,21 +257,17 @@ class NodeSession:
 
     async def publish(self, state: str, failure: str | None = None) -> None:
         """Our record's state (and the attempt's root cause, the first one written wins); never raises."""
-        layout, store = self.layout, self.round
-        if layout is None or store is None:
+        layout = self.layout
+        if layout is None or not self.formed or self.agent is None:
             return
         own = self.records.get(layout.node_rank)
         record = NodeRecord(host=self.address, daemon=self.daemon, nproc=0 if own is None else own.nproc, state=state)
         self.records[layout.node_rank] = record
-
-        def write() -> None:
-            store.set(f"ddpd/node/{layout.node_rank}", msgspec.json.encode(record))
-            if failure is not None:
-                store.compare_set(FAILED_KEY, "", failure)
-
+        request = AgentPublish(id=self._id(), node_rank=layout.node_rank, record=record,
+                               failure=None if failure is None else clip_text(failure))
         try:
-            await self._call(write, timeout=self.interval * 2)
-        except (RuntimeError, TimeoutError, OSError):
+            await self._ask(request, self.interval * 2)
+        except (NodeError, TimeoutError):
             log.warning("nodes.publish_failed", state=state)
         self._view()
 
@@ -273,9 +276,10 @@ class NodeSession:
         views = []
         for i, r in sorted(self.records.items()):
             first = sum(self.records[j].nproc for j in range(i) if j in self.records)
+            local = layout is not None and i == layout.node_rank
             views.append(NodeView(node_rank=i, host=r.host, daemon=r.daemon, state=r.state,
-                                  ranks=list(range(first, first + r.nproc)),
-                                  local=layout is not None and i == layout.node_rank))
+                                  ranks=list(range(first, first + r.nproc)), local=local,
+                                  detail=f"rendezvous served by {self.served_by}" if local and self.served_by else ""))
         self.nodes[:] = views
 
     # -- the end ---------------------------------------------------------------------------
@@ -283,15 +287,16 @@ class NodeSession:
     async def close(self, state: str, final: bool = True) -> None:
         """The job ended here (`final`; else it goes back to the queue and will join again): say so,
         close the rendezvous if it ended (torchrun's shutdown), and when serving it, keep the store
-        up until every node has said it ended (at most keep_alive)."""
+        up until every node has said it ended (at most keep_alive); then end the agent."""
         try:
             await self.publish(state)
-            if self.handler is not None and final:
+            if self.agent is not None and final:
                 try:
-                    await self._call(self.handler.shutdown, timeout=CLOSE_TIMEOUT)
-                except (RuntimeError, TimeoutError):
+                    reply = await self._ask(AgentShutdown(id=self._id()), CLOSE_TIMEOUT)
+                    assert isinstance(reply, AgentDone)
+                except (NodeError, TimeoutError):
                     log.warning("nodes.shutdown_failed")
-            if self.serving and self.round is not None and self.layout is not None:
+            if self.serving and self.formed and self.layout is not None:
                 with anyio.move_on_after(self.keep_alive):
                     while not all(r.state in FINAL for r in self.records.values()):
                         await anyio.sleep(self.interval)
@@ -299,4 +304,8 @@ class NodeSession:
                         if verdict is not None and verdict.kind in ("lost", "unreachable"):
                             break
         finally:
-            self.store = self.round = self.handler = None
+            with anyio.CancelScope(shield=True):
+                if self.agent is not None:
+                    await self.agent.close()
+                await unfence(self.fence)
+            self.agent, self.fence, self.formed = None, None, False
