@@ -4,6 +4,7 @@ and SSE endpoints, a state change arriving over SSE within a second, and cancel 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,13 +14,15 @@ import anyio
 import httpx
 import pytest
 
-from ..conftest import DaemonProc, assert_nothing_left
+from ..conftest import DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import gated, wait_state, wait_waiting_at_gate
+from .users import user_python_for_tests
 from .webserver import WebServer, web_server
 
 pytestmark = pytest.mark.anyio
 
 TIMEOUT = 120
+NOBODY = 65534
 HOSTILE = "<img src=x onerror=alert(1)>"
 
 
@@ -78,8 +81,7 @@ async def test_nothing_without_the_token_or_the_right_host(daemon: DaemonProc, w
 
 async def test_json_pages_and_bad_queries(daemon: DaemonProc, web: WebServer) -> None:
     ok = await daemon.run(daemon.spec(steps=5, name=HOSTILE))
-    failed = await daemon.run(daemon.spec(task="tests.tasks:fail_at_step", nproc=2, steps=5,
-                                           options={"rank": 1, "at_step": 2}))
+    failed = await daemon.run(daemon.spec(task="tests.tasks:fail_at_step", steps=5, options={"rank": 0, "at_step": 2}))
     async with httpx.AsyncClient(timeout=30) as http:
         body = (await http.get(web.at("/api/jobs"))).json()
         assert [j["id"] for j in body["jobs"]] == [failed.id, ok.id] and body["next"] is None
@@ -152,6 +154,11 @@ async def test_job_stream_logs_and_cancel_by_post(daemon: DaemonProc, web: WebSe
             async for event, data in sse_messages(http, web.at(f"/sse/jobs/{job_id}")):
                 if event == "append" and "job.state_changed" in data["html"]:
                     break
+        reply = await http.post(f"{web.origin}/jobs/{job_id}/stacks", headers={"x-ddpd-token": web.token})
+        assert reply.status_code == 200 and "2 of 2" in reply.json()["summary"], reply.text
+        assert "on_step" in reply.json()["text"]  # where the gated task holds its ranks
+        reply = await http.post(f"{web.origin}/jobs/{job_id}/stacks")
+        assert reply.status_code == 403
         cancel = f"{web.origin}/jobs/{job_id}/cancel"
         for headers in ({}, {"x-ddpd-token": "wrong"},
                         {"x-ddpd-token": web.token, "origin": "http://evil.example"},
@@ -167,3 +174,52 @@ async def test_job_stream_logs_and_cancel_by_post(daemon: DaemonProc, web: WebSe
         reply = await http.post(cancel, headers={"x-ddpd-token": web.token})
         assert reply.status_code in (200, 409), reply.text
     assert_nothing_left([await daemon.client.status(job_id)])
+
+
+def _open_socket(base: Path) -> Path:
+    """A config whose socket every user may open, in a directory nobody can reach."""
+    base.chmod(0o755)
+    config = base / "ddpd.toml"
+    config.write_text('socket_mode = "0666"\n')
+    return config
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root")
+async def test_another_user_sees_what_ddpctl_shows_them(short_tmp: Path, tmp_path: Path) -> None:
+    """The view of a user who is not the job's owner: its row, no detail, no logs, no cancel."""
+    config = _open_socket(short_tmp)
+    with user_python_for_tests():
+        async with running_daemon(short_tmp, "--config", str(config)) as d, web_server(d.socket, uid=NOBODY) as web:
+            job_id = await d.client.submit(gated(d, tmp_path / "never", name="root's secret"))
+            await wait_waiting_at_gate(d, job_id)
+            async with httpx.AsyncClient(timeout=30) as http:
+                [row] = (await http.get(web.at("/api/jobs"))).json()["jobs"]
+                assert row["id"] == job_id and row["owner"] == "root" and row["state"] == "RUNNING"
+                assert row["name"] == "" and "gate" not in json.dumps(row)
+                page = (await http.get(web.at(f"/jobs/{job_id}"))).text
+                assert "root's secret" not in page and "stacks-button" not in page
+                async for event, data in sse_messages(http, web.at(f"/sse/jobs/{job_id}/logs")):
+                    assert event == "append" and "owner, root and the admin group" in data["html"]
+                    break
+                reply = await http.post(f"{web.origin}/jobs/{job_id}/cancel", headers={"x-ddpd-token": web.token})
+                assert reply.status_code == 403 and reply.json()["error"] == "permission_denied"
+                assert (await d.client.status(job_id)).state == "RUNNING"
+                await d.client.cancel(job_id)  # its events are not theirs: the page's tick brings the change
+                await until_html(http, web.at("/sse/jobs"), "jobs", 'data-state="CANCELLED"')
+            final = await d.client.wait(job_id)
+    assert_nothing_left([final])
+
+
+def test_the_chart_draws_finite_numbers_only() -> None:
+    """NaN and infinite losses or rates never reach the SVG; an empty curve says so."""
+    from ddpd.cli.web.chart import loss_svg
+    from ddpd.client import CurvePoint, CurveResult
+
+    nan, inf = float("nan"), float("inf")
+    points = [CurvePoint(1.0, 1, 2.0, 1.0), CurvePoint(2.0, 2, nan, inf), CurvePoint(3.0, 3, inf, nan),
+              CurvePoint(4.0, 4, 0.5, 2.0), CurvePoint(5.0, 5, None, None)]
+    svg = loss_svg(CurveResult(job_id="<j>", state="RUNNING", points=points, steps=10))
+    assert 'data-points="2"' in svg and "nan" not in svg.lower() and "inf" not in svg.lower() and "<j>" not in svg
+    assert "no loss yet" in loss_svg(CurveResult(job_id="j", state="QUEUED", points=[]))
+    flat = loss_svg(CurveResult(job_id="j", state="RUNNING", points=[CurvePoint(1.0, 1, 1.0, None)]))
+    assert 'data-points="1"' in flat and "nan" not in flat.lower()

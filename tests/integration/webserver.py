@@ -17,6 +17,7 @@ import anyio
 from anyio.abc import Process
 
 from ..conftest import REPO, assert_gone
+from ..scripts.userpython import USER_PYTHON, user_env
 
 DDPCTL = str(Path(sys.executable).parent / "ddpctl")
 START_TIMEOUT = 60
@@ -59,10 +60,18 @@ async def _read_url(proc: Process) -> str:
 
 
 @asynccontextmanager
-async def web_server(socket: Path, *args: str) -> AsyncIterator[WebServer]:
-    """`ddpctl web` on the daemon at `socket`, for the block; then SIGTERM, exit 0 and gone."""
-    proc = await anyio.open_process([DDPCTL, "--socket", str(socket), "web", *args], stdin=subprocess.DEVNULL,
-                                    cwd=str(REPO), env={**os.environ, "BROWSER": "true"})
+async def web_server(socket: Path, *args: str, uid: int | None = None) -> AsyncIterator[WebServer]:
+    """`ddpctl web` on the daemon at `socket`, for the block; then SIGTERM, exit 0 and gone.
+
+    `uid`: run it as that user (and group of the same number), with the interpreter and path other
+    users can use (tests.scripts.userpython; the caller opens the checkout to them)."""
+    env = {**os.environ, "BROWSER": "true"}
+    argv = [DDPCTL]
+    if uid is not None:
+        argv, env = [USER_PYTHON, "-c", "from ddpd.cli import main; main()"], user_env(HOME="/tmp", BROWSER="true")
+    proc = await anyio.open_process([*argv, "--socket", str(socket), "web", *args], stdin=subprocess.DEVNULL,
+                                    cwd="/" if uid is not None else str(REPO), env=env, user=uid, group=uid,
+                                    extra_groups=None if uid is None else [])
     try:
         url = await _read_url(proc)
         assert url.startswith("http://127.0.0.1:") and "token=" in url, url
