@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ddpd.daemon.attempt.clock import FakeClock
 from ddpd.daemon.attempt.deadlines import Limits, RankClock, Verdict, Watch, check
+from ddpd.daemon.run.clock import FakeClock
 from ddpd.protocol import JobState, RankState
 
 LIMITS = Limits(join=30.0, heartbeat=10.0, progress=5.0, heartbeat_interval=1.0, wall=100.0, stop_warning=20.0)

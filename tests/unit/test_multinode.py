@@ -12,11 +12,11 @@ from rich.console import Console
 from ddpd.cli.render import job_detail
 from ddpd.cli.specs import spec_from_options
 from ddpd.daemon.attempt.launch import rank_env
-from ddpd.daemon.attempt.rendezvous import Rendezvous
 from ddpd.daemon.multinode.elastic import NodeError, check_endpoint, endpoint_address
 from ddpd.daemon.multinode.multinode import own_fault
 from ddpd.daemon.multinode.nodes import NodeLayout
 from ddpd.daemon.multinode.nodewatch import NodeWatch, Verdict
+from ddpd.daemon.run.rendezvous import Rendezvous
 from ddpd.daemon.store.records import Job
 from ddpd.protocol import JobSpec, JobState, SpecError, check_spec
 from ddpd.protocol.control import JobView, RootCause

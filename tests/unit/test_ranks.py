@@ -8,8 +8,8 @@ from typing import Any, cast
 
 from ddpd.daemon.attempt.launch import rank_env
 from ddpd.daemon.attempt.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
-from ddpd.daemon.attempt.rendezvous import Rendezvous
 from ddpd.daemon.contain.procs import Exit
+from ddpd.daemon.run.rendezvous import Rendezvous
 from ddpd.daemon.store.records import Job, Rank
 from ddpd.protocol import JobSpec, JobState
 from ddpd.protocol.channel import Result

@@ -3,8 +3,8 @@ its peers, with the exit code of the rank that failed first."""
 
 from __future__ import annotations
 
-from ddpd.daemon.attempt.rootcause import Evidence, pick_root_cause
 from ddpd.daemon.contain.procs import Exit
+from ddpd.daemon.run.rootcause import Evidence, pick_root_cause
 from ddpd.protocol.channel import Failure
 
 COLLATERAL = Failure(error="DistBackendError", message="Connection closed by peer", traceback="tb", phase="joined")

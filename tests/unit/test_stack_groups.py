@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from ddpd.cli.stacks import rank_list, render
-from ddpd.daemon.attempt.rootcause import explain_hang, locate
 from ddpd.daemon.attempt.stacks import fit, group_stacks
+from ddpd.daemon.run.rootcause import explain_hang, locate
 from ddpd.protocol.channel import STACK_TEXT, Stacks, ThreadStack
 from ddpd.protocol.control import RankStacks, RootCause, StacksResult
 from ddpd.worker.stacks import current_stacks, dump_flight_recorder

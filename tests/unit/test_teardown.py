@@ -7,8 +7,8 @@ import signal
 import anyio
 import pytest
 
-from ddpd.daemon.attempt.clock import FakeClock, wait_until
 from ddpd.daemon.attempt.teardown import TERM_SHARE, UNKILLABLE_WAIT, Escalation, escalate
+from ddpd.daemon.run.clock import FakeClock, wait_until
 
 pytestmark = pytest.mark.anyio
 

@@ -50,16 +50,16 @@ from ..multinode.nodes import NodeLayout, NodeSession
 from ..pool.pool import WarmPool
 from ..ranklogs.keeper import LogKeeper, keep_logs
 from ..ranklogs.workspace import create_logs, live_streams, prepare_dirs
+from ..run.clock import Clock, RealClock, wait_until
+from ..run.outcome import Outcome
+from ..run.rendezvous import Rendezvous, RendezvousError, hand_over, open_rendezvous
+from ..run.rootcause import Evidence, explain_hang, pick_root_cause
 from ..store.journal import Journal
 from ..store.records import Job, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
-from .clock import Clock, RealClock, wait_until
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .launch import Launcher
-from .outcome import Outcome
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
-from .rendezvous import Rendezvous, RendezvousError, hand_over, open_rendezvous
-from .rootcause import Evidence, explain_hang, pick_root_cause
 from .stacks import collect, find_py_spy
 from .teardown import escalate
 

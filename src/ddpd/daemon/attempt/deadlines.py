@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ...protocol import JobState, RankState
 from ...protocol.control import RootCause
-from .outcome import Outcome
+from ..run.outcome import Outcome
 
 MISSED_HEARTBEATS = 2  # a rank silent for more than this many intervals is reported (heartbeat_missed)
 

@@ -40,10 +40,10 @@ from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
 from ..pool.pool import WarmPool, end_cgroup
 from ..pool.poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
+from ..run.clock import Clock
+from ..run.rendezvous import Rendezvous
 from ..store.records import Job, Rank, stderr_log
-from .clock import Clock
 from .ranks import RankHandle
-from .rendezvous import Rendezvous
 
 TAKE_OVER_WAIT = 5.0  # seconds for a pooled worker's own cgroup to empty once its processes moved
 

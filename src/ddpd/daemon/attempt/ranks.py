@@ -37,11 +37,11 @@ from ...protocol.states import is_rejoin
 from ..contain import procs
 from ..pool.channel import WorkerChannel
 from ..ranklogs.logindex import RankLogs
+from ..run.clock import Clock
+from ..run.outcome import Outcome
 from ..store.journal import Journal
 from ..store.records import Job, Rank
-from .clock import Clock
 from .deadlines import RankClock
-from .outcome import Outcome
 from .rankevents import PATH_CLIP, EventBudget, rejoin_kept
 
 MAX_STEP = 2**63 - 1  # a step counter SQLite can store

@@ -23,7 +23,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .clock import Clock
+from ..run.clock import Clock
 
 UNKILLABLE_WAIT = 5.0  # after SIGKILL: how long to wait before reporting a process as unkillable
 TERM_SHARE = 1.0  # of a graceful teardown's grace, what SIGTERM gets at most (it gets half a short grace)

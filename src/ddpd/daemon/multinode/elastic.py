@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ...protocol.nodes import parse_endpoint
 from ...protocol.spec import JobSpec
-from ..attempt.rendezvous import RendezvousError
+from ..run.rendezvous import RendezvousError
 
 RDZV_ENV = b"DDPD_RDZV="
 LISTEN = "0A"

@@ -22,9 +22,9 @@ import msgspec
 from ...protocol import JobState
 from ...protocol.channel import Failure
 from ...protocol.control import RootCause
-from ..attempt.clock import Clock
-from ..attempt.outcome import Outcome
-from ..attempt.rootcause import is_collateral
+from ..run.clock import Clock
+from ..run.outcome import Outcome
+from ..run.rootcause import is_collateral
 from .nodes import NodeSession
 from .nodewatch import Verdict
 

@@ -50,8 +50,8 @@ from ...protocol.agent import (
 from ...protocol.limits import clip_text
 from ...protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
 from ...protocol.spec import JobSpec
-from ..attempt.rendezvous import Rendezvous, listen_on, open_rendezvous
 from ..contain.portfence import Fence, daemon_tag, fence_port, unfence
+from ..run.rendezvous import Rendezvous, listen_on, open_rendezvous
 from .agentproc import AgentLaunch, RendezvousAgent
 from .elastic import NodeError, joinable, locate_endpoint, port_holders, route_address, taken_text
 from .nodewatch import NodeWatch, Verdict
