@@ -57,13 +57,14 @@ async def accept_forever(listener: SocketListener, handler: Callable[[Any], Awai
         while True:
             try:
                 stream = await listener.accept()
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            except anyio.ClosedResourceError:
                 return
             except Exception as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM...: pause, never end
+                cause = exc.__cause__ if isinstance(exc, anyio.BrokenResourceError) else exc  # anyio wraps OSError
                 pause = backoff_after(pause)
                 if failures == 0:
-                    log.warning("listener.accept_failed", listener=name, error=str(exc), retry_in=pause,
-                                errno=errno.errorcode.get(getattr(exc, "errno", None) or 0))
+                    log.warning("listener.accept_failed", listener=name, error=str(cause), retry_in=pause,
+                                errno=errno.errorcode.get(getattr(cause, "errno", None) or 0))
                 failures += 1
                 await anyio.sleep(pause)
                 continue
