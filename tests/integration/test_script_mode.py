@@ -14,6 +14,7 @@ import pytest
 from ddpd.client import RemoteError
 from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView
+from ddpd.protocol.spec import Timeouts
 
 from ..conftest import JOB_TIMEOUT, REPO, DaemonProc, assert_nothing_left
 from ..scripts.helpers import ENV_MARK, SCRIPTS, rank_reports
@@ -152,4 +153,46 @@ async def test_the_daemons_variables_win_over_the_jobs_env(daemon: DaemonProc) -
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU job sees no GPU
     assert env["RANK"] == "0"
     assert env["MY_VAR"] == "kept"
+    assert_nothing_left([job])
+
+
+async def _log_text(d: DaemonProc, job_id: str) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    async with d.client.logs(job_id) as chunks:
+        async for chunk in chunks:
+            texts[chunk.rank] = texts.get(chunk.rank, "") + chunk.text
+    return texts
+
+
+async def test_nothing_a_script_leaves_is_freed_before_the_rank_leaves(daemon: DaemonProc) -> None:
+    """Bug: the rank dropped the script's globals when it returned (runpy's module dict), so its DDP
+    model was freed after destroy_process_group: gloo's destructor ran under the GIL while a gloo
+    thread waited for the GIL, and about one pooled run in five hung at exit (heartbeat_timeout).
+    Whether the script destroys its group, leaves it, or calls sys.exit(0) mid-script, nothing it
+    left is freed before os._exit (no finalizer prints)."""
+    ends = ("destroy", "exit", "leave")
+    ids = [await daemon.client.submit(daemon.spec(script=[str(SCRIPTS / "leaves_alive.py"), "--end", end], nproc=2))
+           for end in ends]
+    with anyio.fail_after(JOB_TIMEOUT):
+        jobs = [await daemon.client.wait(job_id) for job_id in ids]
+    for end, job in zip(ends, jobs, strict=True):
+        assert job.state == JobState.SUCCEEDED, (end, job.root_cause)
+        texts = await _log_text(daemon, job.id)
+        for rank in (0, 1):
+            assert "trained 3 steps" in texts[rank], (end, texts[rank][-2000:])
+            assert "freed" not in texts[rank], (end, texts[rank][-2000:])
+    assert_nothing_left(jobs)
+
+
+async def test_a_rank_stuck_after_its_script_is_named_stuck_at_exit(daemon: DaemonProc) -> None:
+    """A rank that finished its script and then holds the GIL on its way out (its heartbeat thread
+    starved) is reported as such, with the frame it is stuck in, not as a silent rank at work."""
+    spec = daemon.spec(script=[str(SCRIPTS / "stuck_at_exit.py")], nproc=1, timeouts=Timeouts(heartbeat=3.0))
+    job = await daemon.run(spec)
+    assert job.state == JobState.TIMED_OUT and job.reason == "heartbeat_timeout", job.root_cause
+    cause = job.root_cause
+    assert cause is not None and cause.rank == 0
+    assert "rank 0 finished its script, then sent nothing" in (cause.detail or ""), cause.detail
+    assert "rank 0 stuck at exit in " in (cause.detail or "") and "stuck_at_exit.py" in (cause.detail or ""), \
+        cause.detail
     assert_nothing_left([job])
