@@ -1,6 +1,6 @@
 """Starting the ranks of an attempt: argv and environment built once, cold spawn or pool adoption.
 
-Each rank's environment is built once (`rank_env`) on a base (`base_env`): the submitter's
+Each rank's environment is built once (`rank_env`) on a base (`poolkeys.base_env`): the submitter's
 exported environment with HOME, USER, LOGNAME and SHELL from the passwd entry (a job from a
 client that sends `spec.environ`), else the passwd entry's variables and a sane PATH, or for the
 daemon's own user the warm pool's base (the daemon's environment less systemd's variables).
@@ -34,12 +34,12 @@ from ...protocol.worker import MARKER_ENV, is_reserved_env, worker_args
 from ..config import Config
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup
-from ..contain.identity import Identity, job_environment, submitted_environment
+from ..contain.identity import Identity
 from ..gpu.layout import OWN_DEVICES_ENV, rank_visible
 from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
 from ..pool.pool import WarmPool, end_cgroup
-from ..pool.poolkeys import PoolKey, Shape, pool_eligible, pool_env, start_env
+from ..pool.poolkeys import PoolKey, Shape, base_env, pool_eligible, start_env
 from ..run.clock import Clock
 from ..run.rendezvous import Rendezvous
 from ..store.records import Job, Rank, stderr_log
@@ -91,18 +91,6 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
     return env
 
 
-def base_env(job: Job, identity: Identity) -> dict[str, str]:
-    """What a rank's environment starts from: the submitter's exported variables (reserved names
-    dropped) and the passwd identity; for a client that sent none, the passwd entry's variables and
-    a sane PATH (`submitted_environment`), or the daemon's own (pool_env) for the daemon's own user."""
-    if job.spec.environ is None and identity.uid == os.geteuid():
-        return pool_env()
-    if job.spec.environ is None:  # never the root daemon's own environment: the passwd entry's
-        return {**job_environment(identity, submitted_environment(identity, None), {}, {}), "PYTHONUNBUFFERED": "1"}
-    exported = {k: v for k, v in job.spec.environ.items() if not is_reserved_env(k)}
-    return job_environment(identity, exported, {}, {})
-
-
 class Launcher:
     """Starts the ranks of one attempt (cold, or from the warm pool when the job may use it)."""
 
@@ -121,7 +109,7 @@ class Launcher:
         self.run_as = run_as  # the submitter, when this (root) daemon starts ranks as another user
         self.place = place  # enters a rank into the attempt's cgroup, where there is one
         self.cgroup: AttemptCgroup | None = None  # the attempt's, where there is one (pooled ranks move in)
-        self.base = base_env(job, identity)
+        self.base = base_env(job.spec.environ, identity)
         self.pool = pool if pool is not None and pool_eligible(job.spec) is None else None
         self.cwd = job.spec.workdir or str(job_dir)
         self.checkpoint_dir = checkpoint_dir

@@ -35,6 +35,7 @@ from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.identity import Identity
 from ..contain.usertree import create_user_file
 from ..pool.pool import end_cgroup
+from ..pool.poolkeys import base_env
 from ..store.records import Job
 from .elastic import NodeError
 
@@ -42,6 +43,7 @@ log = structlog.get_logger("ddpd")
 
 AGENT_LOG = "rendezvous.log"
 RDZV_ENV = "DDPD_RDZV"  # the agent's run id, in its environment (how another daemon on this host knows it)
+AGENT_JOB_ENV = "DDPD_RDZV_JOB"  # the job it serves
 CLOSE_WAIT = 5.0
 
 
@@ -60,13 +62,11 @@ class AgentLaunch:
 
 def agent_launch(config: Config, job: Job, identity: Identity, run_as: Identity | None,
                  subtree: Subtree | None) -> AgentLaunch:
-    from ..attempt.launch import base_env  # the attempt's modules import this package
-
     if job.spec.python is not None:
         argv: tuple[str, ...] = (job.spec.python, "-m", "ddpd.worker")
     else:
         argv = config.worker_command or (sys.executable, "-m", "ddpd.worker")
-    env = {**base_env(job, identity), "DDPD_JOB_ID": job.id, RDZV_ENV: job.spec.rdzv_id}
+    env = {**base_env(job.spec.environ, identity), "DDPD_JOB_ID": job.id, RDZV_ENV: job.spec.rdzv_id}
     return AgentLaunch(argv=argv, env=env, run_as=run_as, state_dir=config.state_dir, subtree=subtree,
                        job_id=job.id, owner_uid=job.owner_uid)
 

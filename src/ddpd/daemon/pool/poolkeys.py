@@ -32,8 +32,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ...protocol import JobSpec
+from ...protocol.worker import is_reserved_env
 from ..config import Config
-from ..contain.identity import Identity
+from ..contain.identity import Identity, job_environment, submitted_environment
 
 # Variables read when the interpreter, libc, the OpenMP/BLAS runtimes or torch (and the modules a
 # pool worker pre-imports, e.g. torch._dynamo's config) start: a warm interpreter has already read
@@ -122,6 +123,19 @@ def pool_env() -> dict[str, str]:
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def base_env(environ: Mapping[str, str] | None, identity: Identity) -> dict[str, str]:
+    """What a rank's (or a rendezvous agent's) environment starts from: the submitter's exported
+    variables `environ` (reserved names dropped) and the passwd identity; for a client that sent
+    none, the passwd entry's variables and a sane PATH (`submitted_environment`), or the daemon's own
+    (`pool_env`) for the daemon's own user."""
+    if environ is None and identity.uid == os.geteuid():
+        return pool_env()
+    if environ is None:  # never the root daemon's own environment: the passwd entry's
+        return {**job_environment(identity, submitted_environment(identity, None), {}, {}), "PYTHONUNBUFFERED": "1"}
+    exported = {k: v for k, v in environ.items() if not is_reserved_env(k)}
+    return job_environment(identity, exported, {}, {})
 
 
 def own_shape(config: Config) -> Shape:

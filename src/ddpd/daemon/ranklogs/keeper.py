@@ -19,15 +19,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import anyio.to_thread
 import structlog
 
-from ..attempt.ranks import RankHandle
 from ..contain import files
 from ..store.journal import Journal
-from ..store.records import Job
+from ..store.records import Job, Rank
 from . import logrotate
 from .inotify import Inotify
 from .logindex import TICK, LiveStream, RankLogs
@@ -36,6 +36,19 @@ from .logrotate import ROTATE_TIMEOUT
 log = structlog.get_logger("ddpd")
 
 Done = list[tuple[LiveStream, logrotate.Rotated | OSError]]
+
+
+class KeptRank(Protocol):
+    """What `keep_logs` reads of a live rank (the attempt's `RankHandle`)."""
+
+    @property
+    def rank(self) -> Rank: ...
+
+    @property
+    def logs(self) -> RankLogs | None: ...
+
+    @property
+    def exited(self) -> anyio.Event: ...
 
 
 @dataclass(eq=False)
@@ -181,7 +194,7 @@ def _tick_each(due: list[Watched], now: float) -> list[tuple[Watched, Done]]:
     return out
 
 
-async def keep_logs(h: RankHandle, keeper: LogKeeper, max_bytes: int) -> None:
+async def keep_logs(h: KeptRank, keeper: LogKeeper, max_bytes: int) -> None:
     """Keep the rank's logs under `keeper` until it has exited, then look at them a last time."""
     if h.logs is None:
         return
