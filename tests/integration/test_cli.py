@@ -87,12 +87,16 @@ async def test_submit_wait_status_ls_logs_events(daemon: DaemonProc) -> None:
     assert [r["step"] for r in view["ranks"]] == [2, 2]
     done = await ddpctl(daemon, "status", job_id)
     assert done.returncode == 0 and "SUCCEEDED" in out(done) and "root" in out(done)
+    assert all(line == line.rstrip() for line in out(done).splitlines())  # bug: padded to 200 columns
 
     done = await ddpctl(daemon, "ls", "-o", "json")
     [listed] = json.loads(out(done))
     assert listed["id"] == job_id and listed["owner_uid"] == 0
     done = await ddpctl(daemon, "ls")
     assert job_id in out(done) and "root" in out(done) and "owner" in out(done)
+    assert "succeeded" not in out(done).lower().replace("SUCCEEDED".lower(), "", 1)  # no "all ranks succeeded"
+    done = await ddpctl(daemon, "ls", "--active")
+    assert done.returncode == 0 and out(done) == "" and "no active jobs" in err(done)  # not an empty table
 
     done = await ddpctl(daemon, "logs", job_id, "--rank", "1")
     assert done.returncode == 0
@@ -111,6 +115,8 @@ async def test_submit_wait_status_ls_logs_events(daemon: DaemonProc) -> None:
     assert all(e["job_id"] == job_id for e in events)
     done = await ddpctl(daemon, "events", job_id)
     assert "job.finished" in out(done) and f"job={job_id}" in out(done)
+    done = await ddpctl(daemon, "events", job_id, "-f", "--tail", "2", "-o", "json")  # not the whole history
+    assert [json.loads(line)["seq"] for line in out(done).splitlines()] == [e["seq"] for e in events[-2:]]
 
     done = await ddpctl(daemon, "logs", job_id, "--rank", "7")
     assert done.returncode == 1 and "no rank 7" in err(done)
@@ -249,6 +255,8 @@ async def test_short_ids_name_one_job_and_cancel_takes_several(short_tmp: Path) 
         done = await ddpctl(d, "cancel", "--force", "j1")
         assert done.returncode == 0 and err(done).startswith(f"killing {blocker}"), err(done)
         await d.client.wait(blocker)
+        done = await ddpctl(d, "status", queued[0])
+        assert "cancelled by root (uid 0)" in out(done) and "without running" in out(done), out(done)
         done = await ddpctl(d, "rm", "j1")
         assert done.returncode == 0 and err(done).strip() == f"removed {blocker}", err(done)
         for args in (("status", "j1"), ("rm", "j1")):

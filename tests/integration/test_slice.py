@@ -94,7 +94,7 @@ async def test_cancel_during_training(daemon: DaemonProc) -> None:
     with anyio.fail_after(60):
         job = await daemon.client.wait(job_id)
     assert job.state == JobState.CANCELLED
-    assert "cancelled by uid" in (job.reason or "")
+    assert "cancelled by root (uid 0)" in (job.reason or "")
     assert_nothing_left([job])
 
 

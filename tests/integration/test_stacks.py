@@ -109,6 +109,9 @@ async def test_stacks_of_a_running_script_grouped_and_the_job_runs_on(short_tmp:
         assert shown.returncode == 0, shown.stderr.decode()
         out = shown.stdout.decode()
         assert "== ranks 0-1 · thread MainThread ==" in out and "in wait_at_gate" in out, out
+        assert "ddpd-heartbeat" not in out and "--all-threads" in shown.stderr.decode()  # ddpd's own: hidden
+        shown = await ddpctl(d, "stacks", job_id, "--all-threads")
+        assert "thread ddpd-heartbeat ==" in shown.stdout.decode()
         denied = await ddpctl(d, "stacks", job_id, uid=NOBODY)
         assert denied.returncode == 1 and b"permission_denied" in denied.stderr, denied.stderr
 

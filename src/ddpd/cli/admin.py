@@ -13,7 +13,7 @@ from ddpd.client import WhoAmI
 from . import render
 from .completion import SHELLS, completion_script
 from .group import cli, client_for, output_option, socket_option
-from .output import note, print_json, stdout
+from .output import note, print_json, show
 
 
 @cli.command()
@@ -34,7 +34,7 @@ def daemon_info(output: str, socket_path: Path | None) -> None:
     if output == "json":
         print_json(info)
         return
-    stdout().print(render.daemon_grid(info))
+    show(render.daemon_grid(info))
 
 
 @cli.command()
@@ -46,7 +46,7 @@ def whoami(output: str, socket_path: Path | None) -> None:
     if output == "json":
         print_json(me)
         return
-    stdout().print(_whoami_grid(me))
+    show(_whoami_grid(me))
 
 
 def _whoami_grid(me: WhoAmI) -> Table:

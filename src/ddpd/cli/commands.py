@@ -21,7 +21,7 @@ from . import render
 from .completion import complete_job_ids
 from .group import EXIT_FAILED, cli, client_for, exit_for, output_option, report_final, socket_option
 from .jobfile import job_defaults, read_job_file
-from .output import LogWriter, error, note, print_json, stdout
+from .output import LogWriter, error, note, print_json, show
 from .reconnect import follow_logs, reconnect_option, retrying
 from .select import Selection
 from .specs import spec_from_options, spec_options
@@ -133,7 +133,7 @@ def status(job_id: str, output: str, socket_path: Path | None) -> None:
     if output == "json":
         print_json(view)
         return
-    stdout().print(render.job_detail(view, time.time()))
+    show(render.job_detail(view, time.time()))
 
 
 @cli.command("ls")
@@ -147,8 +147,10 @@ def list_jobs(active: bool, limit: int, before: int | None, output: str, socket_
     page = client_for(socket_path).list_page(all=not active, limit=limit, before=before)
     if output == "json":
         print_json(page.jobs)
+    elif not page.jobs:
+        note("no active jobs" if active else "no jobs")
     else:
-        stdout().print(render.jobs_table(page.jobs, time.time()))
+        show(render.jobs_table(page.jobs, time.time()))
     if page.next is not None:
         note(f"more jobs: ddpctl ls --limit {limit} --before {page.next}{' --active' if active else ''}")
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from pathlib import Path
 
 import click
 
-from ddpd.client import MAX_TAIL, AsyncClient, LogStream, QueryError, parse_rank_set, parse_since
+from ddpd.client import MAX_TAIL, AsyncClient, EventView, LogStream, QueryError, parse_rank_set, parse_since
 
 from . import curves, render
 from .group import EXIT_FAILED, cli, client_for, exit_for, report_final, socket_of, socket_option, text_output_option
@@ -65,30 +66,54 @@ def logs(job_id: str, rank_set: str | None, attempt: int | None, follow: bool, t
 
 @cli.command()
 @click.argument("job_id", metavar="[JOB]", required=False)
-@click.option("-f", "--follow", is_flag=True, help="Keep following new events.")
-@click.option("--since", type=int, default=0, metavar="SEQ", help="Only events after this sequence number.")
+@click.option("-f", "--follow", is_flag=True, help="Keep following new events (after the last 10: --tail).")
+@click.option("--since", type=int, default=None, metavar="SEQ", help="Only events after this sequence number.")
+@click.option("--tail", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Only the last N events so far (then follow, with -f) [default with -f: 10].")
 @text_output_option("text: one line per event; json: one JSON object per line.")
 @socket_option
-def events(job_id: str | None, follow: bool, since: int, output: str, socket_path: Path | None) -> None:
+def events(job_id: str | None, follow: bool, since: int | None, tail: int | None, output: str,
+           socket_path: Path | None) -> None:
     """Print the events of JOB (or of every job)."""
-    with client_for(socket_path).events(job_id, follow=follow, since=since) as stream:
+    client = client_for(socket_path)
+    if tail is None and follow and since is None:
+        tail = FOLLOW_TAIL
+    start = since or 0
+    if tail is not None:  # the history up to now, of which only the last N are shown
+        with client.events(job_id, since=start) as stream:
+            last = collections.deque(stream, maxlen=tail) if tail else collections.deque(stream, maxlen=1)
+        for event in last if tail else ():
+            _print_event(event, output)
+        start = last[-1].seq if last else start
+        if not follow:
+            return
+    with client.events(job_id, follow=follow, since=start) as stream:
         for event in stream:
-            if output == "json":
-                print_json(event)
-            else:
-                sys.stdout.write(render.event_line(event) + "\n")
-                sys.stdout.flush()
+            _print_event(event, output)
+
+
+FOLLOW_TAIL = 10  # events shown before following, unless --tail or --since says otherwise
+
+
+def _print_event(event: EventView, output: str) -> None:
+    if output == "json":
+        print_json(event)
+    else:
+        sys.stdout.write(render.event_line(event) + "\n")
+        sys.stdout.flush()
 
 
 @cli.command()
 @click.argument("job_id", metavar="JOB")
 @click.option("--rank", type=int, default=None, help="Only this rank [default: every rank].")
 @click.option("--native", is_flag=True, help="Native frames too (py-spy, where the daemon has it).")
+@click.option("--all-threads", is_flag=True, help="ddpd's own threads too (ddpd-dump, ddpd-heartbeat).")
 @text_output_option("text: each distinct stack once, with its ranks; json: the daemon's result.")
 @socket_option
-def stacks(job_id: str, rank: int | None, native: bool, output: str, socket_path: Path | None) -> None:
+def stacks(job_id: str, rank: int | None, native: bool, all_threads: bool, output: str,
+           socket_path: Path | None) -> None:
     """Show where every thread of JOB's ranks is now; the job keeps running."""
-    show_stacks(client_for(socket_path), job_id, rank, native, output == "json")
+    show_stacks(client_for(socket_path), job_id, rank, native, output == "json", all_threads)
 
 
 @cli.command()

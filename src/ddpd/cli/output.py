@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 import msgspec
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.text import Text
 
 from ddpd.client import LogChunk, format_stamp
@@ -19,6 +19,19 @@ from ddpd.client import LogChunk, format_stamp
 def stdout() -> Console:
     width = None if sys.stdout.isatty() or "COLUMNS" in os.environ else 200
     return Console(markup=False, highlight=False, emoji=False, width=width)
+
+
+def show(renderable: RenderableType) -> None:
+    """Print a table or a view on stdout: as Rich draws it on a terminal; piped, each line without the
+    padding Rich adds to fill the width."""
+    console = stdout()
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    with console.capture() as captured:
+        console.print(renderable)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+    sys.stdout.flush()
 
 
 def stderr() -> Console:

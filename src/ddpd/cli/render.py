@@ -138,6 +138,9 @@ def _job_header(view: JobView, now: float) -> Table:
     if view.started_at is not None:
         end = view.finished_at if view.finished_at is not None else now
         grid.add_row("duration", Text(duration_text(end - view.started_at)))
+    elif view.finished_at is not None:  # it ended in the queue (cancelled, a dependency that failed)
+        grid.add_row("ended", Text(f"without running, {duration_text(view.finished_at - view.submitted_at)} "
+                                   "after it was submitted"))
     else:
         grid.add_row("queued for", Text(duration_text(now - view.submitted_at)))
     if view.spec.after:
@@ -273,14 +276,14 @@ def jobs_table(views: Iterable[JobView], now: float) -> Table:
             Text(str(view.attempt)),
             Text(duration_text(now - view.submitted_at)),
             Text(duration),
-            Text(_cause_short(view) if view.state in FINAL else ""),
+            Text(_cause_short(view) if view.state in FINAL and view.state != JobState.SUCCEEDED else ""),
         )
     return table
 
 
 def event_line(event: EventView) -> str:
     when = datetime.datetime.fromtimestamp(event.ts).isoformat(sep=" ", timespec="milliseconds")
-    parts = [when, f"#{event.seq}", event.kind]
+    parts = [when, f"#{event.seq}" if event.seq else "live", event.kind]  # live: progress, never stored
     if event.job_id is not None:
         parts.append(f"job={event.job_id}")
     if event.attempt is not None:

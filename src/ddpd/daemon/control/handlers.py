@@ -13,6 +13,7 @@ server sends each as `Item`, then `End`). Every expected failure is a `DaemonErr
 from __future__ import annotations
 
 import os
+import pwd
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -186,7 +187,7 @@ async def cancel(ctx: Context, req: Cancel, uid: int) -> CancelResult:
     if job.cancel_requested is not None and not req.force:
         return CancelResult(action="already_stopping", job=fit_view(job.view()))
     queued = job.state.value == "QUEUED"
-    await ctx.scheduler.cancel(job, f"cancelled by uid {uid}", req.force)
+    await ctx.scheduler.cancel(job, f"cancelled by {await anyio.to_thread.run_sync(_user_label, uid)}", req.force)
     action = "cancelled" if queued else "killing" if req.force else "stopping"
     return CancelResult(action=action, job=fit_view(job.view()))
 
@@ -328,3 +329,11 @@ async def _identity(uid: int) -> Identity:
         return await anyio.to_thread.run_sync(Identity.of, uid)
     except UnknownUser as exc:
         raise ForbiddenError(str(exc)) from None
+
+
+def _user_label(uid: int) -> str:
+    """`alice (uid 1000)`, or `uid 1000` where the user has no passwd entry (blocking: NSS)."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
