@@ -52,6 +52,7 @@ async def test_curve_of_a_real_job_through_the_cli(short_tmp: Path) -> None:
         # each point the ranks' mean at its step; rates over at least 1 s or 10 steps (at most ~33 steps/s
         # here: a report right after the one before made 233,017 steps/s)
         assert points[-1]["loss"] == pytest.approx(sum(r.loss for r in job.ranks) / 2)
+        assert points[0]["loss"] > 2 * points[-1]["loss"] > 0  # two-layer's MSE falls (its sum went to -1108)
         assert all(p["steps_per_second"] is None or p["steps_per_second"] < 60 for p in points), points
 
         done = await ddpctl(d, "metrics", job.id, "-o", "csv")
