@@ -1,5 +1,8 @@
 """One attempt of a job.
 
-Owns launching its ranks, their states and deadlines, teardown of the gang, stacks and the root
-cause of its ending. Never imports the queue or the control socket.
+Owns launching its ranks (cold or from the pool), their states and deadlines, teardown of the
+gang, and stacks.
+
+May import: protocol, config, contain, store, pool, gpu, ranklogs, run, multinode.
+Never imports: queue, control, app, main.
 """

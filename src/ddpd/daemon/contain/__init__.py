@@ -1,4 +1,8 @@
-"""The OS side of containment: processes, cgroups, identities, the user's tree, safe file access.
+"""The OS side of containment: processes, cgroups, identities, the user's tree, safe file access,
+port fences and the reaping of inherited children.
 
-Knows no attempt, job or request: never imports another daemon subpackage but the config.
+Knows no attempt, job or request.
+
+May import: protocol, config.
+Never imports: store, pool, gpu, ranklogs, run, multinode, attempt, queue, control, app, main.
 """

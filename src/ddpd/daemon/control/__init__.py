@@ -1,5 +1,8 @@
 """The control socket's side of the daemon.
 
-Owns the server, request parsing and replies, follow streams, who may see what, interpreter
-checks and the metrics endpoint. Never imported by the queue, an attempt, the pool or storage.
+Owns the server and its door (connection limits), one handler per request type, request frames and
+replies, follow streams, who may see what, interpreter checks and the metrics endpoint.
+
+May import: protocol, config, contain, store, pool, gpu, ranklogs, run, multinode, attempt, queue.
+Never imports: app, main.
 """

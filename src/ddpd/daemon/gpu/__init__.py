@@ -1,4 +1,6 @@
-"""GPU discovery, placement figures and the per-GPU view from NVML.
+"""GPU discovery (NVML), placement figures, the per-GPU view, and the draining of GPUs a gone job's
+ranks may still hold.
 
-Never imports an attempt, the queue or the control socket.
+May import: protocol, config, contain, store.
+Never imports: pool, ranklogs, run, multinode, attempt, queue, control, app, main.
 """

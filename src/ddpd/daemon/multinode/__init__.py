@@ -1,4 +1,6 @@
-"""Multi-node jobs: torch's elastic rendezvous, node records and the watch on other nodes.
+"""Multi-node jobs: torch's elastic rendezvous (served by an agent of the job's user), node records
+and the watch on other nodes.
 
-Never imports the queue or the control socket.
+May import: protocol, config, contain, store, pool, run.
+Never imports: gpu, ranklogs, attempt, queue, control, app, main.
 """

@@ -1,4 +1,6 @@
-"""The warm pool of pre-started worker interpreters, and the channel each worker speaks.
+"""The warm pool of pre-started worker interpreters, their keys and environments, and the channel
+each worker speaks.
 
-Never imports an attempt, the queue or the control socket.
+May import: protocol, config, contain.
+Never imports: store, gpu, ranklogs, run, multinode, attempt, queue, control, app, main.
 """

@@ -1,5 +1,8 @@
 """The job queue.
 
 Owns admission, job ids, dependencies, resources, retention, leftovers of a restart, job-state
-decisions and the scheduler that starts attempts. Never imports the control socket.
+decisions and the scheduler that starts attempts.
+
+May import: protocol, config, contain, store, pool, gpu, ranklogs, run, multinode, attempt.
+Never imports: control, app, main.
 """

@@ -1,4 +1,6 @@
-"""Rank log files: the index, reading, seeking, rotation and each attempt's log streams.
+"""Rank log files: the index, reading, seeking, rotation, each attempt's log streams and their
+keeper (which reads a live rank through a Protocol, never the attempt's handle).
 
-Never imports the queue or the control socket.
+May import: protocol, config, contain, store.
+Never imports: pool, gpu, run, multinode, attempt, queue, control, app, main.
 """

@@ -1,4 +1,6 @@
-"""Durable state: the SQLite journal, job records, the event bus and loss curves.
+"""Durable state: the SQLite database and its journal (all SQL), job records and their errors, the
+event bus, loss curves.
 
-Never imports supervision, scheduling or the control socket.
+May import: protocol, config.
+Never imports: contain, pool, gpu, ranklogs, run, multinode, attempt, queue, control, app, main.
 """
