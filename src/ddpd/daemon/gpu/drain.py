@@ -10,6 +10,7 @@ counts as gone) and (2) NVML lists none of their pids on those devices (where NV
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -27,12 +28,16 @@ Report = Callable[[list[int], list[int]], Awaitable[None]]  # (pids alive, pids 
 
 
 def alive(pids: list[int], job_id: str) -> list[int]:
-    """The pids that are still processes of the job (not zombies; its DDPD_JOB_ID in their environment)."""
+    """The pids that are still processes of the job, zombies not counted: a cold rank carries the
+    job's DDPD_JOB_ID in /proc/PID/environ; a pooled one (started before the job, so its environ
+    does not say) is still this daemon's child."""
     marker = f"DDPD_JOB_ID={job_id}".encode()
     out = []
     for pid in pids:
         info = procs.proc_info(pid)
-        if info is not None and info.state != "Z" and procs.proc_environ_has(pid, marker):
+        if info is None or info.state == "Z":
+            continue
+        if info.ppid == os.getpid() or procs.proc_environ_has(pid, marker):
             out.append(pid)
     return out
 
