@@ -84,6 +84,7 @@ async def test_cancel_on_the_job_page(daemon: DaemonProc, tmp_path: Path, browse
         await browser.until("document.getElementById('action-result').textContent.includes('stopping')")
         await wait_state(daemon, job_id, "CANCELLED")
         await browser.until("document.getElementById('job-state').textContent === 'CANCELLED'")
+        await browser.until("!document.getElementById('cancel-button') && !document.getElementById('stacks-button')")
         await browser.screenshot(tmp_path / "cancelled.png")
     assert_nothing_left([await daemon.client.status(job_id)])
 

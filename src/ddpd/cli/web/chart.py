@@ -75,10 +75,9 @@ def loss_svg(curve: CurveResult) -> str:
 
 def _axes(x: _Scale, y: _Scale) -> list[str]:
     out = []
-    for value in x.ticks():
-        px = x(value)
-        out.append(f'<text class="tick" x="{px:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">'
-                   f'{round(value)}</text>')
+    for step in sorted({round(v) for v in x.ticks()}):  # steps are whole: no tick twice
+        out.append(f'<text class="tick" x="{x(step):.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">'
+                   f'{step}</text>')
     for value in y.ticks():
         py = y(value)
         out.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py:.1f}" y2="{py:.1f}"/>')

@@ -70,16 +70,20 @@ async def job(web: Web, job_id: str) -> AsyncIterator[bytes]:
     position = web.hub.position  # before the first read: nothing falls between the two
     shown, last_seq = await _job_events(web, job_id)
 
+    buttons = ""
+
     async def render() -> str:
-        nonlocal final
+        nonlocal final, buttons
         detail = await data.job_detail(web.client, job_id)
         final = detail.job.state in present.FINAL
-        return web.render("_job.html", **present.job_context(detail, time.time(), web.viewer))
+        context = present.job_context(detail, time.time(), web.viewer)
+        buttons = web.render("_buttons.html", **context)
+        return web.render("_job.html", **context)
 
-    async def events() -> list[bytes]:
+    async def events() -> list[bytes]:  # and the buttons, which go as the job ends
         nonlocal position, last_seq
         new, position, last_seq = await _newer_events(web, job_id, position, last_seq)
-        return [sse.append("events", _event_rows(web, new))] if new else []
+        return [sse.replace("buttons", buttons), *([sse.append("events", _event_rows(web, new))] if new else [])]
 
     if shown:
         yield sse.append("events", _event_rows(web, shown))

@@ -66,27 +66,23 @@ async function post(url) {
 }
 
 function actions(box) {
+  // delegated: the buttons are re-rendered with the job's live part
   const result = document.getElementById("action-result");
-  const cancel = document.getElementById("cancel-button");
-  if (cancel) {
-    cancel.addEventListener("click", async () => {
+  box.addEventListener("click", async (e) => {
+    if (e.target.id === "cancel-button") {
       if (!window.confirm("Cancel job " + box.dataset.job + "?")) return;
       try { result.textContent = (await post(box.dataset.cancel)).line; }
-      catch (e) { result.textContent = e.message; }
-    });
-  }
-  const stacks = document.getElementById("stacks-button");
-  if (stacks) {
-    stacks.addEventListener("click", async () => {
+      catch (err) { result.textContent = err.message; }
+    } else if (e.target.id === "stacks-button") {
       const out = document.getElementById("stacks");
       out.hidden = false;
       out.textContent = "asking the ranks…";
       try {
         const body = await post(box.dataset.stacks);
         out.textContent = [body.summary, ...body.notes, "", body.text].join("\n");
-      } catch (e) { out.textContent = e.message; }
-    });
-  }
+      } catch (err) { out.textContent = err.message; }
+    }
+  });
 }
 
 document.addEventListener("DOMContentLoaded", () => {
