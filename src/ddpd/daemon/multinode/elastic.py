@@ -6,7 +6,8 @@
 - A local port that is taken is joined as a client only when the process listening on it is a
   ddpd rendezvous agent of the same user for the same run id (`port_holders`, from /proc: the
   listening socket's inode, the process holding it, its real uid and its environment): torchrun's
-  one-host multi-node recipe, two daemons on one host. Anything else is a NodeError naming it.
+  one-host multi-node recipe, two daemons on one host. A port a ddpd daemon holds (bound, not yet
+  handed to its agent) is looked at again when the job starts. Anything else is a NodeError naming it.
 - `check_endpoint`, at submit: the above, a privileged port only for root, and never a wildcard
   address (``0.0.0.0``, ``::``): the endpoint is bound on the address the other nodes reach.
 - `route_address`: this node's address on the way to the endpoint (what the other nodes reach).
@@ -49,6 +50,7 @@ class Holder:
     ppid: int
     run_id: str | None  # its DDPD_RDZV (a ddpd rendezvous agent's run id)
     agent: bool  # its command line is a ddpd rendezvous agent's
+    daemon: bool = False  # a ddpd daemon (root) that bound it and is about to hand it to its agent
 
     def describe(self) -> str:
         return f"the daemon with pid {self.ppid} (its rendezvous agent, pid {self.pid})"
@@ -110,7 +112,7 @@ def check_endpoint(spec: JobSpec, owner_uid: int = 0) -> None:
         return
     if found.taken:
         holders = port_holders(found.address, port)
-        if not joinable(holders, owner_uid, spec.rdzv_id):
+        if not joinable(holders, owner_uid, spec.rdzv_id) and not any(h.daemon for h in holders):
             raise NodeError(taken_text(port, found.address, next(iter(holders), None)))
     elif port < 1024 and owner_uid != 0:
         raise NodeError(f"rdzv_endpoint: port {port} is privileged: only root may have the daemon serve it")
@@ -199,4 +201,5 @@ def _describe(pid_dir: Path, pid: int) -> Holder | None:
     ppid = int(fields.get("PPid", "0").strip())
     run_id = next((e[len(RDZV_ENV):].decode(errors="replace") for e in environ if e.startswith(RDZV_ENV)), None)
     agent = b"ddpd.worker" in cmdline and b"--agent" in cmdline
-    return Holder(pid=pid, uid=uid, ppid=ppid, run_id=run_id, agent=agent)
+    daemon = uid == 0 and any(arg == b"ddpd.daemon" or arg.endswith(b"/ddpd") for arg in cmdline[:3])
+    return Holder(pid=pid, uid=uid, ppid=ppid, run_id=run_id, agent=agent, daemon=daemon)

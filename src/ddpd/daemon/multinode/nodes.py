@@ -62,6 +62,8 @@ DEFAULT_KEEP_ALIVE = 15.0  # torchrun's: 3 keep-alive beats of 5 s
 DEFAULT_LAST_CALL = 30.0
 CLOSE_TIMEOUT = 10.0
 START_TIMEOUT = 60.0  # the agent's start and its store (an interpreter importing torch)
+SETTLE = 15.0  # seconds a local endpoint bound by another ddpd daemon may take to reach its agent
+SETTLE_INTERVAL = 0.2
 FINAL = ("succeeded", "failed", "cancelled", "timed_out")
 
 __all__ = ["NodeError", "NodeLayout", "NodeRecord", "NodeSession"]
@@ -121,28 +123,12 @@ class NodeSession:
         """Start the job's agent and open the rendezvous (served here, or joined)."""
         if self.agent is not None:
             return
-        found = await anyio.to_thread.run_sync(locate_endpoint, self.host, self.port)
-        listener = None
-        if found.address is not None and not found.taken:
-            try:
-                listener = listen_on(found.address, self.port)
-            except OSError as exc:
-                raise NodeError(f"rdzv_endpoint: cannot bind port {self.port} on {found.address}: "
-                                f"{exc.strerror}") from None
-            self.serving, self.address, self.served_by = True, found.address, "this daemon"
-        elif found.address is not None:  # taken: joined only when another daemon's agent of this user serves it
-            holders = await anyio.to_thread.run_sync(port_holders, found.address, self.port)
-            if not joinable(holders, launch.owner_uid, self.spec.rdzv_id):
-                raise NodeError(taken_text(self.port, found.address, next(iter(holders), None)))
-            self.address, self.served_by = found.address, holders[0].describe()
-        else:
-            self.address = await anyio.to_thread.run_sync(route_address, self.host, self.port)
-            self.served_by = f"the daemon at {self.host}"
+        self.agent = await RendezvousAgent.start(launch)  # first: the endpoint is bound only once it can take it
+        listener = await self._endpoint(launch.owner_uid)
         try:
             if listener is not None:
                 self.fence, self.unfenced = await fence_port(self.port, launch.owner_uid, daemon_tag(launch.state_dir),
                                                              f"{launch.job_id}/rdzv")
-            self.agent = await RendezvousAgent.start(launch)
             fds = () if listener is None else (listener.fileno(),)
             request = AgentOpen(id=self._id(), run_id=self.spec.rdzv_id, host=self.host, port=self.port,
                                 address=self.address, serve=listener is not None, min_nodes=self.min_nodes,
@@ -155,7 +141,34 @@ class NodeSession:
         finally:
             if listener is not None:
                 listener.close()  # the agent has its own copy (or failed: the port is free again)
-        log.info("nodes.opened", served_by=self.served_by, agent=self.agent.pid if self.agent else None)
+        log.info("nodes.opened", served_by=self.served_by, agent=self.agent.pid)
+
+    async def _endpoint(self, uid: int) -> socket.socket | None:
+        """The endpoint's listening socket where this daemon serves it; None where it joins (a remote
+        endpoint, or a local one that a ddpd agent of this user serves for this run). A local port
+        held by another ddpd daemon that has not yet handed it to its agent is looked at again for
+        at most SETTLE seconds; anything else is a NodeError naming the holder."""
+        deadline = time.monotonic() + SETTLE
+        while True:
+            found = await anyio.to_thread.run_sync(locate_endpoint, self.host, self.port)
+            if found.address is None:
+                self.address = await anyio.to_thread.run_sync(route_address, self.host, self.port)
+                self.served_by = f"the daemon at {self.host}"
+                return None
+            if not found.taken:
+                try:
+                    listener = listen_on(found.address, self.port)
+                except OSError:  # taken in between: look at its holder
+                    continue
+                self.serving, self.address, self.served_by = True, found.address, "this daemon"
+                return listener
+            holders = await anyio.to_thread.run_sync(port_holders, found.address, self.port)
+            if joinable(holders, uid, self.spec.rdzv_id):
+                self.address, self.served_by = found.address, holders[0].describe()
+                return None
+            if time.monotonic() > deadline or not any(h.daemon for h in holders):
+                raise NodeError(taken_text(self.port, found.address, next(iter(holders), None)))
+            await anyio.sleep(SETTLE_INTERVAL)
 
     async def form(self, number: int, nproc: int, launch: AgentLaunch) -> tuple[Rendezvous, NodeLayout]:
         """Join the next round; this node's layout, and the attempt's worker store (bound here on node 0)."""
