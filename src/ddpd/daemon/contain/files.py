@@ -54,8 +54,8 @@ def _step(fd: int, part: str, where: str, links: list[int]) -> int:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not _is_link(fd, part):
             raise
         if not _trusted(fd) or len(links) >= MAX_LINKS:
-            raise UnsafeDirectory(errno.ELOOP, f"{where} is a symlink in a directory others can write; "
-                                               "not followed") from None
+            raise UnsafeDirectory(errno.ELOOP, f"{where}: {part} is a symlink in a directory that not only "
+                                               "the daemon's user can write; not followed") from None
         links.append(1)
         target = os.readlink(part, dir_fd=fd)
         return _walk(fd if not target.startswith("/") else None, target, where, links)
