@@ -67,6 +67,9 @@ async def test_a_job_goes_live_through_the_table_and_its_page(short_tmp: Path, t
         await browser.get(web.url)
         assert await browser.until(row_state(job_id)) == "SUCCEEDED"
         await browser.screenshot(tmp_path / "jobs.png")
+        await browser.click("nav a[href^='/daemon']")
+        await browser.until("document.getElementById('queued') && document.body.innerText.includes('queue per user')")
+        await browser.screenshot(tmp_path / "daemon.png")
         jobs = [await d.client.status(j) for j in (blocker, job_id)]
     assert_nothing_left(jobs)
 

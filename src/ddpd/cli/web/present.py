@@ -24,7 +24,6 @@ from .data import DaemonPage, JobDetail
 
 FINAL = render.FINAL
 STATES = [s.value for s in JobState]
-RESOURCE_DEVICES = {"cuda": "GPU", "cpu": "CPU", "auto": "auto"}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -52,7 +51,7 @@ def clock(ts: float | None) -> str:
 def resources(job: JobView) -> str:
     """`2 x CPU`, `4 x 1 GPU`: ranks and what each one gets."""
     spec = job.spec
-    each = f"{spec.gpus_per_rank:g} GPU" if spec.gpus_per_rank else RESOURCE_DEVICES.get(spec.device, spec.device)
+    each = f"{spec.gpus_per_rank:g} GPU" if spec.gpus_per_rank else "CPU"  # device cuda implies a GPU
     return f"{spec.nproc} x {each}"
 
 
