@@ -311,7 +311,9 @@ def daemon_grid(info: DaemonInfo) -> Table:
         ("cpu slots", _free_of(info.free_cpu_slots, info.cpu_slots)),
         ("gpus", _free_of(info.free_gpus, info.gpus)),
     ]
-    if info.pool_ready is not None:
+    if info.pool_state is not None:
+        rows.append(("pool", info.pool_state))
+    elif info.pool_ready is not None:
         rows.append(("warm pool", f"{info.pool_ready} ready"))
     rows.extend((f"gpu {gpu_name(g.index, g.mig, '')}", gpu_line(g)) for g in info.gpu_devices)
     if info.gpu_note:

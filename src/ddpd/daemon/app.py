@@ -90,6 +90,7 @@ class Daemon:
             state_dir=str(self.config.state_dir), running=running, queued=queued,
             cpu_slots=res.total_cpu, gpus=res.total_gpus, free_cpu_slots=res.free_cpu,
             free_gpus=len(res.free_gpus), pool_ready=None if self.pool is None else len(self.pool.ready_pids),
+            pool_state=None if self.pool is None else self.pool.state(),
         )
 
     async def reload(self) -> None:

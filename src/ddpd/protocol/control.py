@@ -329,6 +329,7 @@ class DaemonInfo(msgspec.Struct):
     free_cpu_slots: int | None = None
     free_gpus: int | None = None
     pool_ready: int | None = None
+    pool_state: str | None = None  # the warm pool in words: "warm (2 ready)", "cold (busy)", "off"
     gpu_devices: list[GpuView] = msgspec.field(default_factory=list)
     gpu_note: str | None = None  # why gpu_devices is empty on a daemon with GPUs (NVML unavailable...)
 

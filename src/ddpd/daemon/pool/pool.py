@@ -26,8 +26,15 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
 - **take(key)**: hands out a ready worker of that key only and stops watching it; the attempt
   owns it from then on (it moves the worker's cgroup into the attempt's): one rank of one job,
   never returned. None when none is ready (the rank starts cold). Every take wakes the refill,
-  which spawns in the background (a task of the pool, not of the attempt), onto idle cores only.
-  No polling: only pidfds, sockets, events and the next expiry's deadline.
+  which spawns in the background (a task of the pool, not of the attempt). No polling: only
+  pidfds, sockets, events and the next expiry's deadline.
+- **Priority**: a refill never slows a running job. Where the daemon can give a thread normal
+  priority back (`pool_idle_priority`: a root daemon), a pool interpreter runs at SCHED_IDLE from
+  its start (and its cgroup, where it has one with the cpu controller, at ``cpu.idle`` 1): refills
+  start at once, as many as there are cores, beside running jobs, and take only the CPU time those
+  leave idle, so the pool is warm again the moment cores free. `take` gives every thread of the
+  interpreter normal priority back before the attempt assigns it (the attempt's cgroup is a normal
+  one). Elsewhere refills start only onto idle cores. `state` says which (``ddpctl daemon``).
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
 """
@@ -52,7 +59,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ...protocol import FrameError
 from ...protocol.channel import Hello, WorkerMessage
-from ...protocol.worker import worker_args
+from ...protocol.worker import pool_idle_priority, worker_args
 from ..config import Config
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup, Subtree
@@ -107,6 +114,7 @@ class WarmPool:
         self._cores = len(os.sched_getaffinity(0))
         self._names = itertools.count()
         self.busy_ranks = busy_ranks  # CPU-busy ranks of running jobs
+        self.idle_priority = pool_idle_priority(os.geteuid())  # refills at SCHED_IDLE (else: onto idle cores)
 
     @property
     def contained(self) -> bool:
@@ -118,8 +126,15 @@ class WarmPool:
         self._wake.set()
 
     def _idle_core(self) -> bool:
-        """Refill only onto idle cores: importing torch (seconds of CPU) must not slow a running job."""
-        return self.busy_ranks() + len(self._starting) < self._cores
+        """Whether a refill may start now: importing torch (seconds of CPU) must not slow a running
+        job, so at idle priority one per core whatever runs, else only onto idle cores."""
+        busy = 0 if self.idle_priority else self.busy_ranks()
+        return busy + len(self._starting) < self._cores
+
+    def state(self) -> str:
+        """The pool in words, for ``ddpctl daemon``: warm, refilling, or cold and why."""
+        ready = sum(len(q) for q in self._ready.values())
+        return pool_state(self.size, ready, len(self._starting), self.busy_ranks() > 0, self.idle_priority)
 
     # -- for attempts ----------------------------------------------------------------------
 
@@ -159,6 +174,7 @@ class WarmPool:
                     end_cgroup(w.cgroup)
                 continue
             assert w.hello is not None
+            normal_priority(w.pid)
             log.info("pool.worker_taken", pid=w.pid, ready=len(ready), uid=key.uid, size=self.size)
             return w
         return None
@@ -244,6 +260,8 @@ class WarmPool:
             if self.subtree is not None:
                 cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
                                                         f"pool-{os.getpid()}-{next(self._names)}")
+                if self.idle_priority:
+                    await anyio.to_thread.run_sync(idle_cgroup, cgroup)
             log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
         except OSError as exc:
             if cgroup is not None:
@@ -345,6 +363,45 @@ class WarmPool:
                 await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
         alive = [w.pid for w in left if w.proc.poll() is None]
         log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
+
+
+def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool) -> str:
+    """`WarmPool.state`: ``off``; ``warm (N ready)``; ``cold (busy)`` while running jobs hold the
+    cores (refills wait for them, or run at idle priority in what they leave); ``cold (refilling)``."""
+    if size == 0:
+        return "off"
+    refilling = f", {starting} refilling" + (" at idle priority" if idle_priority and busy else "") if starting else ""
+    if ready:
+        return f"warm ({ready} ready{refilling})"
+    if busy:
+        return f"cold (busy{refilling})"
+    return "cold (refilling)" if starting else "cold"
+
+
+def normal_priority(pid: int) -> None:
+    """Every thread of a taken pool interpreter back to SCHED_OTHER (it waited at SCHED_IDLE); a thread
+    that is gone, or a policy the daemon may not change, is left (logged)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            if os.sched_getscheduler(tid) != os.SCHED_OTHER:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:
+            continue
+        except OSError as exc:
+            log.warning("pool.priority_failed", pid=pid, tid=tid, error=str(exc))
+
+
+def idle_cgroup(cgroup: AttemptCgroup) -> None:
+    """``cpu.idle`` 1 for a pool interpreter's cgroup, where the cpu controller gives it one (inside a
+    cgroup, SCHED_IDLE only ranks a thread against its own cgroup's threads, not the attempts')."""
+    try:
+        (cgroup.path / "cpu.idle").write_text("1")
+    except OSError:
+        pass
 
 
 def end_cgroup(cgroup: AttemptCgroup) -> None:
