@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.daemon.store.records import stderr_log
+from ddpd.daemon.layout import stderr_log
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left

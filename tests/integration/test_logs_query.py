@@ -16,8 +16,8 @@ import anyio
 import pytest
 
 from ddpd.client import EventView, format_stamp
+from ddpd.daemon.layout import stderr_log
 from ddpd.daemon.ranklogs.logindex import decode, index_path
-from ddpd.daemon.store.records import stderr_log
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 
-from ddpd.daemon.store.records import stderr_log
+from ddpd.daemon.layout import stderr_log
 from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView
 

@@ -4,7 +4,7 @@ Between the top-level packages, the README's rules: `protocol` imports nothing o
 and `worker` import `protocol` and never each other; `client` imports `protocol` only; `cli` goes
 through `client`. Inside the daemon, each subpackage's own rule, the `May import:` line of its
 `__init__` docstring (its `Never imports:` line must be the exact rest); the root's low modules
-(config, logs, logline, journald, notify) have theirs here, and `app` and `main` may import anything.
+(config, layout, logs, logline, journald, notify) have theirs here, and `app` and `main` may import anything.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ DAEMON = SRC / "daemon"
 SUBPACKAGES = sorted(p.parent.name for p in DAEMON.glob("*/__init__.py"))
 TOP = {"protocol": set(), "daemon": {"protocol"}, "worker": {"protocol"}, "client": {"protocol"}, "cli": {"client"}}
 ROOT_LOW = {"config": {"protocol", "logs"}, "logs": {"logline", "journald"}, "journald": {"logline"},
-            "logline": set(), "notify": set()}
+            "logline": set(), "notify": set(), "layout": set()}
 ROOT_TOP = {"app", "main", "__main__", "daemon"}  # the process root (and the package itself): anything
 
 

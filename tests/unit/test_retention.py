@@ -10,12 +10,12 @@ import anyio
 import pytest
 
 from ddpd.daemon.config import Config
+from ddpd.daemon.layout import job_dir
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.errors import ForbiddenError, NotRunnableError
 from ddpd.daemon.store.journal import Journal
-from ddpd.daemon.store.records import job_dir
 from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState
 

@@ -11,6 +11,6 @@ lines (`May import:` and `Never imports:`, checked by tests/unit/test_layers.py)
     queue                 the queue and the scheduler
     control               the control socket and the metrics endpoint
 
-Below them all: `protocol` and the root's `config` (with `logs`, `logline`, `journald`); above
-them: `app` and `main`, which may import anything of the daemon.
+Below them all: `protocol` and the root's `config` (with `logs`, `logline`, `journald`) and
+`layout` (the state directory's names); above them: `app` and `main`, which may import anything.
 """

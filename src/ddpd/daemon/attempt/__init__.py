@@ -3,6 +3,6 @@
 Owns launching its ranks (cold or from the pool), their states and deadlines, teardown of the
 gang, and stacks.
 
-May import: protocol, config, contain, store, pool, gpu, ranklogs, run, multinode.
+May import: protocol, config, layout, contain, store, pool, gpu, ranklogs, run, multinode.
 Never imports: queue, control, app, main.
 """

@@ -44,6 +44,7 @@ from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
 from ..contain.portfence import Fence, daemon_tag, fence_port, unfence
 from ..contain.usertree import open_user_file
 from ..gpu.gpus import rank_defaults
+from ..layout import checkpoint_dir, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
 from ..multinode.agentproc import agent_launch
 from ..multinode.multinode import settle, watch_nodes
 from ..multinode.nodes import NodeLayout, NodeSession
@@ -55,7 +56,7 @@ from ..run.outcome import Outcome
 from ..run.rendezvous import Rendezvous, RendezvousError, hand_over, open_rendezvous
 from ..run.rootcause import Evidence, explain_hang, pick_root_cause
 from ..store.journal import Journal
-from ..store.records import Job, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
+from ..store.records import Job
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .launch import Launcher
@@ -101,10 +102,10 @@ class Attempt:
         self.limits = Limits(join=timeouts.join, heartbeat=timeouts.heartbeat, progress=timeouts.progress,
                              heartbeat_interval=config.heartbeat_interval, wall=timeouts.wall,
                              stop_warning=timeouts.stop_warning)
-        # the owner's tree (usertree): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
+        # the owner's tree (usertree, layout): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
         self.job_dir = user_job_dir(config.state_dir, job.owner_uid, job.id)
         self.dir = user_attempt_dir(config.state_dir, job.owner_uid, job.id, number)
-        self.checkpoint_dir = self.job_dir / "checkpoints"
+        self.checkpoint_dir = checkpoint_dir(config.state_dir, job.owner_uid, job.id)
         self.identity: Identity | None = None
         self.log = log.bind(job_id=job.id, attempt=number)
 

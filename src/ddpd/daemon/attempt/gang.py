@@ -19,10 +19,11 @@ from ...protocol.channel import DumpStacks, Stop
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup
 from ..contain.files import JobFileError, Opener, job_file_size, read_job_file
+from ..layout import stderr_log
 from ..run.clock import Clock, wait_until
 from ..run.rootcause import StackSite, locate
 from ..store.journal import Journal
-from ..store.records import Job, stderr_log
+from ..store.records import Job
 from .ranks import RankHandle
 from .teardown import UNKILLABLE_WAIT
 

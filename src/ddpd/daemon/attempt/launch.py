@@ -36,13 +36,14 @@ from ..contain import procs
 from ..contain.cgroups import AttemptCgroup
 from ..contain.identity import Identity
 from ..gpu.layout import OWN_DEVICES_ENV, rank_visible
+from ..layout import rank_error_file_name, stderr_log
 from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
 from ..pool.pool import WarmPool, end_cgroup
 from ..pool.poolkeys import PoolKey, Shape, base_env, pool_eligible, start_env
 from ..run.clock import Clock
 from ..run.rendezvous import Rendezvous
-from ..store.records import Job, Rank, stderr_log
+from ..store.records import Job, Rank
 from .ranks import RankHandle
 
 TAKE_OVER_WAIT = 5.0  # seconds for a pooled worker's own cgroup to empty once its processes moved
@@ -133,7 +134,7 @@ class Launcher:
     def env(self, rank: int) -> dict[str, str]:
         if rank not in self.envs:
             self.envs[rank] = rank_env(self.base, self.job, self.number, rank, self.rdzv, self.marker,
-                                       self.attempt_dir / f"rank-{self.offset + rank}-error.json", self.defaults,
+                                       self.attempt_dir / rank_error_file_name(self.offset + rank), self.defaults,
                                        self.layout)
         return self.envs[rank]
 

@@ -3,6 +3,6 @@ port fences and the reaping of inherited children.
 
 Knows no attempt, job or request.
 
-May import: protocol, config.
+May import: protocol, config, layout.
 Never imports: store, pool, gpu, ranklogs, run, multinode, attempt, queue, control, app, main.
 """

@@ -28,10 +28,9 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from ddpd.daemon.contain.identity import Identity
+from ..layout import JOBS_DIR, USERS_DIR
+from .identity import Identity
 
-USERS_DIR = "users"
-JOBS_DIR = "jobs"
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 BASE_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC  # the state directory is the admin's: may be a link
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -3,6 +3,6 @@
 Owns the server and its door (connection limits), one handler per request type, request frames and
 replies, follow streams, who may see what, interpreter checks and the metrics endpoint.
 
-May import: protocol, config, contain, store, pool, gpu, ranklogs, run, multinode, attempt, queue.
+May import: protocol, config, layout, contain, store, pool, gpu, ranklogs, run, multinode, attempt, queue.
 Never imports: app, main.
 """

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from ...protocol.control import Events, EventView, LogChunk, Logs
 from ..contain.usertree import reader_for
+from ..layout import rank_log, rank_log_name, user_attempt_dir
 from ..ranklogs.logread import log_chunks_of
 from ..store.journal import Journal
-from ..store.records import Job, rank_log, rank_log_name, user_attempt_dir
+from ..store.records import Job
 
 EVENT_BATCH = 500
 

@@ -3,6 +3,6 @@
 Owns admission, job ids, dependencies, resources, retention, leftovers of a restart, job-state
 decisions and the scheduler that starts attempts.
 
-May import: protocol, config, contain, store, pool, gpu, ranklogs, run, multinode, attempt.
+May import: protocol, config, layout, contain, store, pool, gpu, ranklogs, run, multinode, attempt.
 Never imports: control, app, main.
 """

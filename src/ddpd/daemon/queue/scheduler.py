@@ -27,12 +27,13 @@ from ..config import Config, JobTimeouts
 from ..contain.cgroups import Subtree
 from ..contain.usertree import remove_job_dir
 from ..gpu.drain import drain_job
+from ..layout import job_dir
 from ..multinode.elastic import NodeError, check_endpoint
 from ..multinode.nodes import NodeSession
 from ..pool.pool import WarmPool
 from ..store.errors import NotRunnableError
 from ..store.journal import Journal
-from ..store.records import Job, job_dir
+from ..store.records import Job
 from . import lifecycle
 from .admission import admit, check_key, check_limits, over_user_gpus
 from .dependencies import Broken, Ready, resolve_after, states_of, verdict

@@ -32,7 +32,8 @@ import anyio
 from ...protocol.control import LogChunk, Logs
 from ...protocol.limits import clip_text
 from ..contain.files import Opener, job_file_size, read_job_file
-from ..store.records import Job, LogCut, stderr_log
+from ..layout import stderr_log
+from ..store.records import Job, LogCut
 from .logindex import MAX_INDEX_BYTES, RECORD, Index, backup_path, decode, index_path, segments
 from .logseek import TAIL_BYTES, line_start, line_starts, read_bytes, tail_of
 

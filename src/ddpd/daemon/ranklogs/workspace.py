@@ -10,22 +10,23 @@ import os
 from pathlib import Path
 
 from ..contain.identity import Identity
-from ..contain.usertree import JOBS_DIR, create_user_file, ensure_base, ensure_dirs
-from ..store.records import Job, rank_err_name, rank_log_name
+from ..contain.usertree import create_user_file, ensure_base, ensure_dirs
+from ..layout import CHECKPOINTS_DIR, JOBS_DIR, attempt_name, rank_err_name, rank_log_name
+from ..store.records import Job
 from .logindex import LiveStream, RankLogs, index_path
 
 
 def prepare_dirs(state_dir: Path, identity: Identity, job_id: str, number: int) -> None:
     """The attempt's directory and the job's checkpoints, its owner's (blocking)."""
     ensure_base(state_dir)
-    ensure_dirs(state_dir, identity, JOBS_DIR, job_id, f"attempt-{number}")
-    ensure_dirs(state_dir, identity, JOBS_DIR, job_id, "checkpoints")
+    ensure_dirs(state_dir, identity, JOBS_DIR, job_id, attempt_name(number))
+    ensure_dirs(state_dir, identity, JOBS_DIR, job_id, CHECKPOINTS_DIR)
 
 
 def create_logs(state_dir: Path, identity: Identity, job_id: str, number: int, rank: int) -> tuple[int, int]:
     """Rank `rank`'s stdout and stderr logs, write fds created in its owner's tree without following
     anything (blocking; the caller closes both)."""
-    where = (JOBS_DIR, job_id, f"attempt-{number}")
+    where = (JOBS_DIR, job_id, attempt_name(number))
     out = create_user_file(state_dir, identity, *where, name=rank_log_name(rank))
     try:
         return out, create_user_file(state_dir, identity, *where, name=rank_err_name(rank))
@@ -43,7 +44,7 @@ def live_streams(state_dir: Path, identity: Identity, job: Job, number: int, pat
         for path, fd in zip(paths, fds, strict=True):
             rw = reopen_rw(fd)
             try:
-                idx = create_user_file(state_dir, identity, JOBS_DIR, job.id, f"attempt-{number}",
+                idx = create_user_file(state_dir, identity, JOBS_DIR, job.id, attempt_name(number),
                                        name=Path(index_path(path)).name)
             except BaseException:
                 os.close(rw)

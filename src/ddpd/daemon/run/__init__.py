@@ -3,6 +3,6 @@
 Owns the clock that deadlines and teardown read (real or fake), the rendezvous port the ranks meet
 on, an attempt's outcome and the root cause among its ranks' failures.
 
-May import: protocol, config, contain, pool.
+May import: protocol, config, layout, contain, pool.
 Never imports: store, gpu, ranklogs, multinode, attempt, queue, control, app, main.
 """

@@ -1,4 +1,4 @@
-"""In-memory job and rank records (what the scheduler and the supervisor hold), and where a job's files live.
+"""In-memory job and rank records (what the scheduler and the supervisor hold).
 
 No storage here: the journal turns these records into rows and back.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import anyio
@@ -115,41 +114,3 @@ class Job:
             waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
             if self.state is JobState.QUEUED and self.spec.after else None,
         )
-
-
-def job_dir(state_dir: Path, job_id: str) -> Path:
-    """Where jobs kept their files before the per-user tree (rows recovered from older daemons)."""
-    return state_dir / "jobs" / job_id
-
-
-def user_job_dir(state_dir: Path, uid: int, job_id: str) -> Path:
-    """`<state_dir>/users/<uid>/jobs/<job>`: the job's files, its owner's (see usertree)."""
-    return state_dir / "users" / str(uid) / "jobs" / job_id
-
-
-def user_attempt_dir(state_dir: Path, uid: int, job_id: str, attempt: int) -> Path:
-    return user_job_dir(state_dir, uid, job_id) / f"attempt-{attempt}"
-
-
-def attempt_dir(state_dir: Path, job_id: str, attempt: int) -> Path:
-    return job_dir(state_dir, job_id) / f"attempt-{attempt}"
-
-
-def rank_log(state_dir: Path, job_id: str, attempt: int, rank: int) -> Path:
-    """Where a rank's stdout and stderr went before the per-user tree."""
-    return attempt_dir(state_dir, job_id, attempt) / f"rank-{rank}.log"
-
-
-def rank_log_name(rank: int) -> str:
-    """A rank's stdout (before the split of its streams, its stdout and stderr together)."""
-    return f"rank-{rank}.log"
-
-
-def rank_err_name(rank: int) -> str:
-    """A rank's stderr: faulthandler's stack dumps and tracebacks go there."""
-    return f"rank-{rank}.err"
-
-
-def stderr_log(log: str) -> str:
-    """The stderr file beside the rank log `log` (``rank-<r>.log`` -> ``rank-<r>.err``)."""
-    return log.removesuffix(".log") + ".err"

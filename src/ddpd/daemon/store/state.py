@@ -18,6 +18,7 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
+from ..layout import database
 from .errors import StorageError
 
 T = TypeVar("T")
@@ -124,7 +125,7 @@ class StateDB:
             raise StorageError(f"state directory {state_dir}: {exc.strerror or exc}") from None
         if not state_dir.is_dir():
             raise StorageError(f"state directory {state_dir}: not a directory")
-        path = state_dir / "ddpd.db"
+        path = database(state_dir)
         try:
             return cls(path)
         except (sqlite3.Error, OSError) as exc:
