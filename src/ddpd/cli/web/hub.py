@@ -5,15 +5,19 @@ not see in detail: those jobs' rows refresh on the pages' one-second tick) and k
 events in a ring. A page remembers its position and waits for the next change: `wait` returns at
 once when something is newer, else at the next event, the timeout or the hub's close. When the
 stream breaks (the daemon restarted), the hub says so (`error`) and follows again from the last seq.
+Closing the hub ends every page's stream, so the server can stop without cutting replies off.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import anyio
 
-from ddpd.client import AsyncClient, EventView, RemoteError
+from ddpd.client import AsyncClient, AsyncStream, EventView, RemoteError
 
 RING = 2000  # events kept for pages that fall behind
 RETRY = 1.0  # seconds between tries to follow again after the stream broke
@@ -32,6 +36,7 @@ class Hub:
         self.error: str | None = None
         self.closed = False
         self._scope = anyio.CancelScope()
+        self._streams: set[AsyncStream[Any]] = set()
 
     @property
     def position(self) -> int:
@@ -66,6 +71,21 @@ class Hub:
         self.closed = True
         self._scope.cancel()
         self._notify()
+
+    async def aclose(self) -> None:
+        """`close`, and close the daemon streams pages follow (`following`), so each page's reply ends."""
+        self.close()
+        for stream in list(self._streams):
+            await stream.aclose()
+
+    @contextmanager
+    def following(self, stream: AsyncStream[Any]) -> Iterator[AsyncStream[Any]]:
+        """`stream` is closed by `aclose` while the block runs."""
+        self._streams.add(stream)
+        try:
+            yield stream
+        finally:
+            self._streams.discard(stream)
 
     async def run(self) -> None:
         """Follow the events until closed (or cancelled), again after each break."""

@@ -32,6 +32,7 @@ async def _refreshing(web: Web, element: str, render: Callable[[], Coroutine[Any
     """`element` re-rendered on every change of the hub and every tick, sent when it differs; then
     what `after` adds (a job's new events)."""
     last: str | None = None
+    said: str | None = None
     position = web.hub.position
     while not web.hub.closed:
         try:
@@ -42,7 +43,9 @@ async def _refreshing(web: Web, element: str, render: Callable[[], Coroutine[Any
         if html is not None and html != last:
             yield sse.replace(element, html)
             last = html
-        yield sse.replace("banner", str(escape(banner)))
+        if banner != said:
+            yield sse.replace("banner", str(escape(banner)))
+            said = banner
         for extra in [] if after is None else await after():
             yield extra
         position = await web.hub.wait(position, tick())
@@ -122,12 +125,17 @@ def _event_rows(web: Web, events: list[EventView]) -> str:
 
 async def logs(web: Web, job_id: str, rank: int | None, stream: LogStream) -> AsyncIterator[bytes]:
     """The rank logs following: the last LOG_TAIL lines of each rank, then new lines as they come."""
+    follow = web.client.logs(job_id, follow=True, ranks=None if rank is None else [rank], stream=stream,
+                             tail=LOG_TAIL)
     try:
-        async with web.client.logs(job_id, follow=True, ranks=None if rank is None else [rank], stream=stream,
-                                   tail=LOG_TAIL) as chunks:
-            async for chunk in chunks:
-                yield sse.append("log", log_html(chunk))
+        with web.hub.following(follow):
+            async with follow as chunks:
+                async for chunk in chunks:
+                    yield sse.append("log", log_html(chunk))
     except RemoteError as exc:
+        if web.hub.closed:
+            yield sse.end("the web view stopped")
+            return
         yield sse.append("log", f'<div class="l error">{escape(exc.message)}</div>')
     yield sse.end("the job's logs end here")
 

@@ -88,6 +88,6 @@ async def run(socket_path: Path | None, port: int, open_browser: bool) -> None:
 async def _on_signal(hub: Hub, stop: anyio.Event, scope: anyio.CancelScope) -> None:
     with scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         async for _ in received:
-            hub.close()
+            await hub.aclose()
             stop.set()
             return
