@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,12 @@ async def test_short_ids_name_one_job_and_cancel_takes_several(short_tmp: Path) 
         blocker = await d.client.submit(gated(d, short_tmp / "gate", name="blocker"))
         queued = [await d.client.submit(d.spec(task="two-layer", steps=1, name=f"q{i}")) for i in range(2, 12)]
         assert blocker.startswith("j1-") and queued[8].startswith("j10-")
+        done = await ddpctl(d, "ls", "-o", "json")  # each queued job says what it waits for
+        pending = {j["id"]: j["pending"] for j in json.loads(out(done))}
+        assert pending[queued[0]] == "resources: needs 1 CPU slots, 0 of 1 free", pending
+        assert pending[queued[5]] == f"priority: behind {queued[0]}, which waits for resources"
+        done = await ddpctl(d, "status", queued[0])
+        assert re.search(r"^pending +resources: needs 1 CPU slots", out(done), re.M), out(done)
         done = await ddpctl(d, "cancel", "--name", "q2", "--name", "q3", "--state", "queued")
         assert done.returncode == 0
         assert sorted(err(done).splitlines()) == [f"cancelled {j} (was QUEUED)" for j in queued[:2]], err(done)
@@ -252,9 +259,16 @@ async def test_short_ids_name_one_job_and_cancel_takes_several(short_tmp: Path) 
         assert done.returncode == 1 and f"cancelled {queued[3]}" in err(done) and "no job 'j99'" in err(done)
         done = await ddpctl(d, "cancel", "--mine", "--state", "QUEUED")
         assert done.returncode == 0 and len(err(done).splitlines()) == 6, err(done)
+        notok = await d.client.submit(d.spec(task="two-layer", steps=1, after_notok=["j1"]))
+        anyway = await d.client.submit(d.spec(task="two-layer", steps=1, after_any=["j1"]))
+        assert (await d.client.status(notok)).pending == f"dependency: waiting for {blocker}"
         done = await ddpctl(d, "cancel", "--force", "j1")
         assert done.returncode == 0 and err(done).startswith(f"killing {blocker}"), err(done)
         await d.client.wait(blocker)
+        with anyio.fail_after(TIMEOUT):  # the blocker was cancelled: both kinds start
+            assert [(await d.client.wait(j)).state for j in (notok, anyway)] == ["SUCCEEDED", "SUCCEEDED"]
+        done = await ddpctl(d, "submit", "--after-notok", anyway)
+        assert done.returncode == 2 and f"after_notok[0]: job {anyway} already ended SUCCEEDED" in err(done)
         done = await ddpctl(d, "status", queued[0])
         assert "cancelled by root (uid 0)" in out(done) and "without running" in out(done), out(done)
         done = await ddpctl(d, "rm", "j1")

@@ -13,6 +13,7 @@ on the daemon's PYTHONPATH), real CPU ranks that print the CUDA_VISIBLE_DEVICES 
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,13 +23,13 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddpd.cli.render import daemon_grid, ranks_table
 from ddpd.protocol import JobState
 from ddpd.protocol.control import RankGpu
 
 from ..conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
 from ..fakenvml.pynvml import write_state
 from ..scripts.helpers import SCRIPTS, gated, rank_reports, wait_state, wait_waiting_at_gate
+from .test_cli import DDPCTL
 from .test_service import _http_get
 
 pytestmark = pytest.mark.anyio
@@ -55,12 +56,13 @@ async def fake_gpu_daemon(base: Path, state: dict[str, Any], *flags: str,
         yield d, path
 
 
-def _text(renderable: object) -> str:
-    from rich.console import Console
-
-    console = Console(width=300, record=True)
-    console.print(renderable)
-    return console.export_text()
+async def shown(d: DaemonProc, *args: str) -> str:
+    """What `ddpctl ARGS` prints (a real client process, 200 columns wide)."""
+    with anyio.fail_after(60):
+        done = await anyio.run_process([DDPCTL, "--socket", str(d.socket), *args], check=False,
+                                       stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
 
 
 async def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -95,11 +97,11 @@ async def test_a_subset_daemon_places_by_uuid_packs_fractions_and_names_gpus_ali
         # one name everywhere: NVML index and UUID, in status, `ddpctl daemon` and the metrics
         view = await d.client.status(halves)
         assert [r.gpus for r in view.ranks] == [[RankGpu(index=2, uuid=UUIDS[2], share=0.5)]] * 2
-        assert f"2 {UUIDS[2]} x0.5 (-)" in _text(ranks_table(view))
+        assert f"2 {UUIDS[2][:12]} x0.5 (-)" in await shown(d, "status", halves)  # the UUID's first 8 hex digits
         info = await d.client.daemon_info()
         assert [(g.index, g.uuid, g.jobs, g.held) for g in info.gpu_devices] == [
             (2, UUIDS[2], [halves], 1.0), (3, UUIDS[3], [whole], 1.0)]
-        grid = _text(daemon_grid(info))
+        grid = await shown(d, "daemon")
         assert "gpu 2" in grid and f"NVIDIA H200 {UUIDS[2]}: " in grid and "0 free of 2" in grid
         series = await _scrape(port)
         held = sorted(dict(k)["gpu"] + " " + dict(k)["uuid"] + " " + dict(k)["job_id"]
@@ -188,7 +190,7 @@ async def test_gpus_of_an_unkillable_rank_drain_before_the_next_job_gets_them(sh
             waiting = await d.client.submit(gated(d, gate, gpus_per_rank=1, device="cpu"))
             info = await d.client.daemon_info()
             assert [(g.jobs, g.draining) for g in info.gpu_devices] == [([], [stuck])]
-            assert "draining: " + stuck in _text(daemon_grid(info))
+            assert "draining: " + stuck in await shown(d, "daemon")
             assert (await d.client.status(waiting)).state == JobState.QUEUED
         # thawed: the rank dies of its pending SIGKILL, but NVML still lists it: still draining
         with anyio.fail_after(30):

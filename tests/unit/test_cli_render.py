@@ -4,10 +4,13 @@ lines are written."""
 from __future__ import annotations
 
 import os
+import re
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import click
+import msgspec
 import pytest
 
 from ddpd.cli.output import LogWriter
@@ -79,3 +82,24 @@ def test_log_lines_get_their_rank_and_stamp_and_partial_lines_wait_per_stream(
     plain.write(LogChunk(rank=0, attempt=1, text="as is", stream="stdout", time=when))
     plain.finish()
     assert capsys.readouterr().out == "as is"  # no prefix and no stamp: the text as written
+
+
+def test_watch_shows_active_jobs_first_with_step_and_eta_then_history() -> None:
+    from rich.console import Console
+
+    from ddpd.cli.watch import watch_view
+    from ddpd.client import RankView
+
+    now = time.time()
+    done = msgspec.structs.replace(view("SUCCEEDED"), id="j1-old", started_at=now - 200, finished_at=now - 150)
+    rank = RankView(rank=0, state="TRAINING", attempt=1, step=50)
+    running = msgspec.structs.replace(view("RUNNING", JobSpec(steps=200)), id="j2-run", started_at=now - 100,
+                                      ranks=[rank])
+    queued = msgspec.structs.replace(view("QUEUED"), id="j3-new", pending="resources: needs 1 CPU slots, 0 of 1 free")
+    console = Console(width=200, record=True)
+    with console.capture() as captured:
+        console.print(watch_view([queued, running, done], single=False))
+    text = captured.get()
+    assert text.index("j3-new") < text.index("j2-run") < text.index("history") < text.index("j1-old")
+    assert re.search(r"50/200 │ +(4m5\d|5m0\d)s", text), text  # 150 steps left at 50 per 100 s
+    assert "resources: needs 1 CPU slots" in text

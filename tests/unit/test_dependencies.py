@@ -9,7 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ddpd.daemon.queue.dependencies import Broken, Ready, Waiting, resolve_after, verdict
+from ddpd.daemon.queue.dependencies import Broken, Kind, Ready, Waiting, kinds_of, resolve_after, verdict
 from ddpd.daemon.queue.jobids import MAX_CANDIDATES, AmbiguousJobError, UnknownJobError, resolve
 from ddpd.daemon.queue.table import JobTable
 from ddpd.daemon.store.bus import EventBus
@@ -103,3 +103,14 @@ async def test_a_dependency_that_already_failed_is_refused_naming_its_state(tabl
         await resolve_after(JobSpec(after=["j1"]), table)
     done.state = JobState.SUCCEEDED
     assert (await resolve_after(JobSpec(after=["j1"]), table)).after == ["j1-aaaa"]
+
+
+def test_afterany_and_afternotok_verdicts() -> None:
+    kinds: dict[str, Kind] = {"j1-a": "any", "j2-b": "notok"}
+    assert verdict({"j1-a": F, "j2-b": F}, kinds) == Ready()
+    assert verdict({"j1-a": S, "j2-b": C}, kinds) == Ready()
+    assert verdict({"j1-a": R, "j2-b": Q}, kinds) == Waiting(["j1-a", "j2-b"])
+    broken = verdict({"j1-a": S, "j2-b": S}, kinds)
+    assert isinstance(broken, Broken) and broken.reason.startswith("dependency j2-b SUCCEEDED")
+    spec = JobSpec(after=["j3-c"], after_any=["j1-a"], after_notok=["j2-b"])
+    assert kinds_of(spec) == {"j3-c": "ok", "j1-a": "any", "j2-b": "notok"}

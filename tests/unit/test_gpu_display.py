@@ -56,7 +56,9 @@ def test_a_gpu_is_held_by_the_job_given_it_and_by_a_job_whose_rank_is_on_it() ->
 def test_sizes_and_lines_read_as_a_person_would_write_them() -> None:
     assert size_text(512) == "512 B" and size_text(3 * GIB // 2) == "1.5 GiB" and size_text(1536 * 1024) == "1.5 MiB"
     assert rank_gpu_text([RankGpu(0, GIB, uuid="GPU-x"), RankGpu(1)]) == "0 GPU-x (1.0 GiB), 1 (-)"
-    assert rank_gpu_text([RankGpu(2, None, uuid="MIG-y", mig=1, share=0.5)]) == "2/mig1 MIG-y x0.5 (-)"
+    # in the rank table a UUID is its first 8 hex digits (a prefix CUDA_VISIBLE_DEVICES takes too)
+    mig = "MIG-5d3f0a1b-0000-1111-2222-333344445555"
+    assert rank_gpu_text([RankGpu(2, None, uuid=mig, mig=1, share=0.5)]) == "2/mig1 MIG-5d3f0a1b x0.5 (-)"
     g = GpuView(index=0, name="H200", memory_total=140 * GIB, memory_used=GIB, utilization=7, jobs=["j1"],
                 other_processes=2, uuid="GPU-x", held=0.5, draining=["j0"])
     assert gpu_line(g) == "H200 GPU-x: 1.0 GiB of 140.0 GiB, 7% busy; j1 (50% held) (+2 other processes); draining: j0"

@@ -80,11 +80,12 @@ class JobIdType(click.ParamType[str]):
 
 
 JOB_ID = JobIdType()
+_JOB_PARAMS = ("job_id", "job_ids", "after", "after_any", "after_notok")
 
 
 def complete_job_ids(group: click.Group) -> None:
     """Give every `job_id` argument and `--after` option of the group's commands the JobIdType."""
     for command in group.commands.values():
         for param in command.params:
-            if param.name in ("job_id", "job_ids", "after") and isinstance(param.type, click.types.StringParamType):
+            if param.name in _JOB_PARAMS and isinstance(param.type, click.types.StringParamType):
                 param.type = JOB_ID

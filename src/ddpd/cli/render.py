@@ -195,15 +195,18 @@ def size_text(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def gpu_name(index: int, mig: int | None, uuid: str) -> str:
-    """A GPU as every view names it: the NVML index (``0``, ``0/mig1``) and the UUID."""
+def gpu_name(index: int, mig: int | None, uuid: str, short: bool = False) -> str:
+    """A GPU as every view names it: the NVML index (``0``, ``0/mig1``) and the UUID (`short`: its
+    first 8 hex digits, ``GPU-5d3f0a1b``, a prefix CUDA_VISIBLE_DEVICES accepts too)."""
     label = f"{index}" if mig is None else f"{index}/mig{mig}"
+    if short and uuid.startswith(("GPU-", "MIG-")):
+        uuid = uuid[:12]
     return f"{label} {uuid}" if uuid else label
 
 
 def rank_gpu_text(gpus: list[RankGpu]) -> str:
-    """A rank's GPUs: "0 GPU-5d3f.. (1.2 GiB)", "0 GPU-.. x0.5 (-)" (- where NVML does not say)."""
-    return ", ".join(f"{gpu_name(g.index, g.mig, g.uuid)}{'' if g.share is None else f' x{g.share:g}'} "
+    """A rank's GPUs: "0 GPU-5d3f0a1b (1.2 GiB)", "0 GPU-5d3f0a1b x0.5 (-)" (- where NVML does not say)."""
+    return ", ".join(f"{gpu_name(g.index, g.mig, g.uuid, short=True)}{'' if g.share is None else f' x{g.share:g}'} "
                      f"({'-' if g.memory_used is None else size_text(g.memory_used)})" for g in gpus)
 
 

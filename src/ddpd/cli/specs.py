@@ -153,6 +153,11 @@ _OPTIONS: list[Callable[[F], F]] = [
         metavar="JOB[,JOB...]",
         help="Start only once these jobs (ids or unique prefixes) have succeeded; fail if one does not.",
     ),
+    click.option("--after-any", "after_any", multiple=True, metavar="JOB[,JOB...]",
+                 help="Start only once these jobs have ended, however they ended (Slurm's afterany)."),
+    click.option("--after-notok", "after_notok", multiple=True, metavar="JOB[,JOB...]",
+                 help="Start only once these jobs have ended otherwise than SUCCEEDED (afternotok); fail if one "
+                 "succeeds."),
     click.option(
         "-m",
         "--module",
@@ -189,9 +194,10 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     fields["export"], fields["environ"] = exported(str(values.get("export") or "ALL"), os.environ)
     if values.get("options"):
         fields["options"] = {key: typed_value(value) for key, value in pairs("--option", values["options"])}
-    after = [job.strip() for item in values.get("after") or () for job in item.split(",") if job.strip()]
-    if after:
-        fields["after"] = after
+    for key in ("after", "after_any", "after_notok"):
+        ids = [job.strip() for item in values.get(key) or () for job in item.split(",") if job.strip()]
+        if ids:
+            fields[key] = ids
     module = bool(values.get("module"))
     if script and script[0] == "-m":  # `submit -- -m pkg.mod ARGS`, as after python or torchrun
         module, script = True, script[1:]

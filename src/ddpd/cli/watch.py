@@ -33,9 +33,14 @@ def watch_view(views: list[JobView], single: bool, curve: CurveResult | None = N
         detail = render.job_detail(views[0], now)
         line = "" if curve is None else curves.progress_line(curve, views[0].state in render.FINAL)
         return Group(detail, Text(line)) if line else detail
-    parts: list[RenderableType] = [render.jobs_table(views, now)]
-    for active in [v for v in views if v.state not in render.FINAL and v.ranks][:8]:
-        parts.append(render.ranks_table(active, title=f"{active.id} {active.name}".rstrip()))
+    active = [v for v in views if v.state not in render.FINAL]  # running and queued first, history below
+    history = [v for v in views if v.state in render.FINAL]
+    parts: list[RenderableType] = [render.jobs_table(active, now, progress=True, title="active")
+                                   if active else Text("no active jobs")]
+    if history:
+        parts.append(render.jobs_table(history, now, title="history"))
+    for job in [v for v in active if v.ranks][:8]:
+        parts.append(render.ranks_table(job, title=f"{job.id} {job.name}".rstrip()))
     return Group(*parts)
 
 

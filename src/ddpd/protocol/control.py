@@ -262,6 +262,9 @@ class JobView(msgspec.Struct, omit_defaults=False):
     store_port: int | None = None
     nodes: list[NodeView] = msgspec.field(default_factory=list)  # a multi-node job's nodes (protocol.nodes)
     waiting_on: list[str] | None = None  # a queued job's dependencies (--after) that have not yet succeeded
+    # why a queued job has not started: "resources: ...", "priority: behind ...", "dependency: ...",
+    # "limit: ...", "user limit: ..." (None: not queued, or not yet looked at)
+    pending: str | None = None
     queue_position: int | None = None  # while QUEUED: 1 is the next to start, in the scheduler's order
 
 

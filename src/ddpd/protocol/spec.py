@@ -108,6 +108,12 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # them as full ids, whatever prefix was submitted
     after: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
                      msgspec.Meta(max_length=MAX_AFTER)] = msgspec.field(default_factory=list)
+    # jobs that must all have ended, however (Slurm's afterany), or ended otherwise than SUCCEEDED
+    # (afternotok: a clean-up or a notification after a failure)
+    after_any: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
+                         msgspec.Meta(max_length=MAX_AFTER)] = msgspec.field(default_factory=list)
+    after_notok: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]],
+                           msgspec.Meta(max_length=MAX_AFTER)] = msgspec.field(default_factory=list)
     # limits of the attempt's cgroup (memory.max, cpu.max) where the daemon has those controllers;
     # reported as unavailable (event job.limits) where it has not
     memory: Annotated[int, msgspec.Meta(ge=MIN_MEMORY, le=MAX_MEMORY)] | None = None  # bytes
@@ -220,6 +226,11 @@ def check_nodes(spec: JobSpec) -> None:
         raise SpecError("rdzv_id", str(exc)) from None
 
 
+def dependency_ids(spec: JobSpec) -> list[str]:
+    """Every job the spec waits for (`after`, `after_any`, `after_notok`), in that order."""
+    return [*spec.after, *spec.after_any, *spec.after_notok]
+
+
 def is_multinode(spec: JobSpec) -> bool:
     """A job formed across nodes by the rendezvous at `rdzv_endpoint` (else the single-node path)."""
     return bool(spec.rdzv_endpoint)
@@ -247,12 +258,13 @@ def _check_texts(spec: JobSpec) -> None:
     check_text("export", spec.export, MAX_EXPORT)
     if spec.environ is not None:
         check_environ(spec.environ)
-    if len(spec.after) > MAX_AFTER:
+    if len(dependency_ids(spec)) > MAX_AFTER:
         raise SpecError("after", f"more than {MAX_AFTER} jobs")
-    for i, dep in enumerate(spec.after):
-        check_text(f"after[{i}]", dep, MAX_JOB_ID)
-        if not dep:
-            raise SpecError(f"after[{i}]", "an empty job id")
+    for field, deps in (("after", spec.after), ("after_any", spec.after_any), ("after_notok", spec.after_notok)):
+        for i, dep in enumerate(deps):
+            check_text(f"{field}[{i}]", dep, MAX_JOB_ID)
+            if not dep:
+                raise SpecError(f"{field}[{i}]", "an empty job id")
     if len(spec.options) > MAX_OPTIONS:
         raise SpecError("options", f"more than {MAX_OPTIONS} options")
     for key, option in spec.options.items():

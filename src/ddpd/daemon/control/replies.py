@@ -32,7 +32,12 @@ def summary_view(view: JobView) -> JobView:
                     task=None, steps=0)
     return JobView(id=view.id, name="", state=view.state, owner_uid=view.owner_uid, submitted_at=view.submitted_at,
                    spec=shape, attempt=view.attempt, started_at=view.started_at, finished_at=view.finished_at,
-                   queue_position=view.queue_position)
+                   queue_position=view.queue_position, pending=_summary_pending(view.pending))
+
+
+def _summary_pending(pending: str | None) -> str | None:
+    """A pending reason as anyone may see it: which dependencies a job waits for is its detail."""
+    return "dependency" if pending is not None and pending.startswith("dependency") else pending
 
 
 def positioned(view: JobView, positions: Mapping[str, int]) -> JobView:

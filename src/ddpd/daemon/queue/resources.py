@@ -60,6 +60,13 @@ class Resources:
                     "cpu_slots setting); --oversubscribe runs it anyway, its ranks sharing cores")
         return None
 
+    def shortfall(self, spec: JobSpec) -> str:
+        """What a job that does not fit now waits for: "needs 2 CPU slots, 1 of 2 free"."""
+        gpus, _ = self.need(spec)
+        if gpus:
+            return f"needs {gpus:g} GPUs, {len(self.free_gpus)} of {self.total_gpus} free"
+        return f"needs {self.cpu_of(spec)} CPU slots, {max(0, self.free_cpu)} of {self.total_cpu} free"
+
     def cpu_of(self, spec: JobSpec) -> int:
         """CPU slots the job holds: one per rank, all the daemon has for an oversubscribed job."""
         cpu = self.need(spec)[1]

@@ -20,7 +20,7 @@ import structlog
 
 from ...protocol import JobSpec, JobState, SpecError
 from ...protocol.control import RootCause
-from ...protocol.spec import is_multinode
+from ...protocol.spec import dependency_ids, is_multinode
 from ...protocol.worker import marker_entry
 from ..attempt.attempt import Attempt, Outcome
 from ..config import Config, JobTimeouts
@@ -36,7 +36,7 @@ from ..store.journal import Journal
 from ..store.records import Job
 from . import lifecycle
 from .admission import admit, check_key, check_limits, over_user_gpus
-from .dependencies import Broken, Ready, resolve_after, states_of, verdict
+from .dependencies import Broken, Ready, kinds_of, resolve_after, states_of, verdict
 from .leftovers import kill_cgroup, kill_marked
 from .resources import Resources
 from .retention import Retention
@@ -187,24 +187,37 @@ class Scheduler:
             queue = [job for job in self.table.queued() if job.id not in self.running]  # not those started
             # a job waiting for its dependencies lets the jobs behind it start; one whose dependency
             # failed fails now, whatever the queue is waiting for
-            blocked = {job.id for job in queue if job.spec.after and not await self._dependencies_met(job)}
-            for job in queue:  # strict order: the head of the queue is never overtaken
-                if job.id in blocked or job.state is not JobState.QUEUED:  # (cancelled while deps were read)
-                    continue
-                if len(self.running) >= self.config.max_running:
-                    break
-                if over_user_gpus(self.config, self.running_jobs(), job):
-                    continue  # its owner's limit, not the machine's: others' jobs may pass it
-                gpus = self.resources.take(job.spec)
-                if gpus is None:
-                    break
+            blocked = {job.id for job in queue if dependency_ids(job.spec) and not await self._dependencies_met(job)}
+            self._admit(tg, queue, blocked)
+
+    def _admit(self, tg: anyio.abc.TaskGroup, queue: list[Job], blocked: set[str]) -> None:
+        """Start the queued jobs that may start now, in strict order (the head of the queue is never
+        overtaken), and give every other one its pending reason (`Job.pending`)."""
+        stop: str | None = None  # why no job further down the queue may start
+        for job in queue:
+            job.pending = None
+            if job.state is not JobState.QUEUED:  # (cancelled while deps were read)
+                continue
+            if job.id in blocked:
+                job.pending = f"dependency: waiting for {', '.join(job.waiting_on or dependency_ids(job.spec))}"
+            elif stop is not None:
+                job.pending = stop
+            elif len(self.running) >= self.config.max_running:
+                job.pending = stop = f"limit: {len(self.running)} jobs running (max_running)"
+            elif over_user_gpus(self.config, self.running_jobs(), job):  # its owner's limit: others may pass
+                job.pending = f"user limit: its owner holds the GPUs one user may (max_gpus_per_user " \
+                              f"{self.config.max_gpus_per_user})"
+            elif (gpus := self.resources.take(job.spec)) is None:
+                job.pending = f"resources: {self.resources.shortfall(job.spec)}"
+                stop = f"priority: behind {job.id}, which waits for resources"
+            else:
                 job.gpus = gpus
                 self.running.add(job.id)
                 tg.start_soon(self._run_job, job)
 
     async def _dependencies_met(self, job: Job) -> bool:
         """Whether every job `job` waits for has SUCCEEDED; fails it when one ended otherwise."""
-        pending = job.spec.after if job.waiting_on is None else job.waiting_on
+        pending = dependency_ids(job.spec) if job.waiting_on is None else job.waiting_on
         try:
             states = await states_of(pending, self.lookup)
         except Exception:  # the journal cannot be read now: the job waits, the queue goes on
@@ -212,7 +225,7 @@ class Scheduler:
             return False
         if job.state is not JobState.QUEUED:  # cancelled while they were read
             return False
-        match verdict(states):
+        match verdict(states, kinds_of(job.spec)):
             case Ready():
                 job.waiting_on = []
                 return True

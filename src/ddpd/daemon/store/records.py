@@ -14,6 +14,7 @@ import anyio
 from ...protocol import JobSpec, JobState, RankState
 from ...protocol.control import JobView, RankView, RootCause
 from ...protocol.nodes import NodeView
+from ...protocol.spec import dependency_ids
 from .errors import ForbiddenError
 
 
@@ -85,6 +86,7 @@ class Job:
     idempotency_key: str | None = None  # the submitter's key for retried submits (unique per owner)
     nodes: list[NodeView] = field(default_factory=list)  # a multi-node job's nodes, as this daemon knows them
     waiting_on: list[str] | None = None  # dependencies not yet ended, as last looked at (None: not yet)
+    pending: str | None = None  # why a queued job has not started, as the scheduler last decided
     # each live rank log's last rotation, by path: set by the log keeper's thread just before the
     # live log is emptied (one dict item assignment), read by the daemon's log readers
     log_cuts: dict[str, LogCut] = field(default_factory=dict)
@@ -111,6 +113,7 @@ class Job:
             ranks=[r.view(now) for r in self.ranks],
             store_port=self.store_port,
             nodes=list(self.nodes),
-            waiting_on=(list(self.spec.after) if self.waiting_on is None else self.waiting_on)
-            if self.state is JobState.QUEUED and self.spec.after else None,
+            waiting_on=(dependency_ids(self.spec) if self.waiting_on is None else self.waiting_on)
+            if self.state is JobState.QUEUED and dependency_ids(self.spec) else None,
+            pending=self.pending if self.state is JobState.QUEUED else None,
         )
