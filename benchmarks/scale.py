@@ -1,7 +1,8 @@
 """The daemon at scale: hundreds of simulated workers heartbeating once a second.
 
-A daemon of its own runs ``benchmarks/simworker.py`` in place of ``python -m ddpd.worker`` (the
-``worker_command`` config knob): processes that speak the worker protocol without torch. The
+A daemon of its own runs ``benchmarks/simworker.sh`` in place of ``python -m ddpd.worker`` (the
+``worker_command`` config knob): bash processes that speak the worker protocol without torch (and
+start in a couple of milliseconds, so that what is measured is the daemon). The
 benchmark submits jobs of `ranks` ranks each (500 workers by default) and measures how long it takes
 from the first submit until every job is RUNNING, then, over two windows of equal length:
   - the daemon's CPU use (utime + stime from /proc, in percent of one core) with nothing but
@@ -21,6 +22,7 @@ cancelled (each worker stops on the daemon's Stop) and the daemon stopped.
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import time
 
@@ -31,7 +33,6 @@ from ddpd.protocol import PROTOCOL_VERSION, JobSpec
 from .common import (
     DDPD,
     FINAL,
-    PYTHON,
     SIMWORKER,
     BenchError,
     CpuSample,
@@ -45,6 +46,7 @@ from .common import (
 from .context import Ctx
 
 BENCH = "daemon at scale"
+BASH = shutil.which("bash") or "/bin/bash"
 FIRST_STEP = 500  # the targets' point
 
 
@@ -154,7 +156,7 @@ async def bench_scale(ctx: Ctx) -> None:
     ctx.console.print(f"[bold]daemon at scale[/bold] ({plan.scale_jobs} jobs x {plan.scale_ranks} simulated "
                       f"workers, heartbeat 1/s, windows of {plan.scale_window:.0f}s, measured at "
                       f"{', '.join(str(s) for s in steps(n))})")
-    worker = [PYTHON, "-S", SIMWORKER, "--protocol", str(PROTOCOL_VERSION)]  # -S: no site, stdlib only
+    worker = [BASH, SIMWORKER, "--protocol", str(PROTOCOL_VERSION)]
     d = await start_daemon(ctx.base, "ddpd-scale", config={"worker_command": worker, "pool_size": 0},
                            flags=["--cpu-slots", str(max(n, 1))])
     try:
