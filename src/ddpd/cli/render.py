@@ -132,6 +132,8 @@ def _job_header(view: JobView, now: float) -> Table:
     grid.add_row("state", _state(view.state))
     if view.queue_position is not None:
         grid.add_row("queue", Text(f"#{view.queue_position} in line"))
+    if view.pending:
+        grid.add_row("pending", Text(view.pending))
     grid.add_row("owner", Text(_owner(view.owner_uid)))
     grid.add_row("nproc", Text(str(view.spec.nproc)))
     grid.add_row("attempt", Text(str(view.attempt)))
@@ -254,8 +256,9 @@ def nodes_table(view: JobView) -> Table:
     return table
 
 
-def jobs_table(views: Iterable[JobView], now: float) -> Table:
-    table = Table()
+def jobs_table(views: Iterable[JobView], now: float, progress: bool = False, title: str | None = None) -> Table:
+    """The jobs, a row each; `progress`: with each job's step (of its target) and ETA."""
+    table = Table(title=title, title_justify="left")
     table.add_column("id", no_wrap=True)
     table.add_column("name", overflow="fold")
     table.add_column("owner")
@@ -264,12 +267,16 @@ def jobs_table(views: Iterable[JobView], now: float) -> Table:
     table.add_column("attempt", justify="right")
     table.add_column("age", justify="right")
     table.add_column("duration", justify="right")
-    table.add_column("root cause", overflow="fold")
+    if progress:
+        table.add_column("step", justify="right")
+        table.add_column("ETA", justify="right")
+    table.add_column("root cause / pending", overflow="fold")
     for view in views:
         duration = ""
         if view.started_at is not None:
             end = view.finished_at if view.finished_at is not None else now
             duration = duration_text(end - view.started_at)
+        extra = [Text(t) for t in step_and_eta(view, now)] if progress else []
         table.add_row(
             Text(view.id),
             Text(view.name),
@@ -279,9 +286,31 @@ def jobs_table(views: Iterable[JobView], now: float) -> Table:
             Text(str(view.attempt)),
             Text(duration_text(now - view.submitted_at)),
             Text(duration),
-            Text(_cause_short(view) if view.state in FINAL and view.state != JobState.SUCCEEDED else ""),
+            *extra,
+            Text(_last_column(view)),
         )
     return table
+
+
+def step_and_eta(view: JobView, now: float) -> tuple[str, str]:
+    """A running job's step ("120/400"; a script's has no target) and the time left at its average rate
+    since it started ("" where unknown)."""
+    step = max((r.step for r in view.ranks), default=0)
+    if view.state in FINAL or view.started_at is None or not view.ranks:
+        return "", ""
+    target = view.spec.steps if view.spec.script is None else None
+    text = f"{step}/{target}" if target else str(step)
+    elapsed = now - view.started_at
+    if not target or step <= 0 or elapsed <= 0:
+        return text, ""
+    return text, duration_text(max(0, target - step) * elapsed / step, whole=True)
+
+
+def _last_column(view: JobView) -> str:
+    """A failed job's root cause, a queued one's pending reason, else nothing."""
+    if view.state == JobState.QUEUED:
+        return view.pending or ""
+    return _cause_short(view) if view.state in FINAL and view.state != JobState.SUCCEEDED else ""
 
 
 def event_line(event: EventView) -> str:
