@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpd.daemon.queue import lifecycle
+from ddpd.daemon.run import lifecycle
 from ddpd.protocol import JobState
 
 S = JobState
@@ -61,12 +61,6 @@ def test_running_once_every_rank_joined() -> None:
     assert lifecycle.when_joined(S.STARTING, 1, 2) is None
     assert lifecycle.when_joined(S.STARTING, 2, 2) is S.RUNNING
     assert lifecycle.when_joined(S.RUNNING, 2, 2) is None
-
-
-def test_expiry() -> None:
-    assert lifecycle.expires_at(S.SUCCEEDED, 100.0, 50.0) == 150.0
-    assert lifecycle.expires_at(S.RUNNING, 100.0, 50.0) is None
-    assert lifecycle.expires_at(S.FAILED, 100.0, 0) is None  # retention 0: kept forever
 
 
 def test_removal_only_of_ended_jobs() -> None:

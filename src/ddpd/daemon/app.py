@@ -36,9 +36,9 @@ from .logs import configure_logging, parse_level, set_level
 from .notify import Notifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
-from .queue.lifecycle import ACTIVE
 from .queue.resources import Resources
 from .queue.scheduler import Scheduler
+from .run.lifecycle import ACTIVE
 from .store.bus import EventBus
 from .store.curves import CurveStore
 from .store.journal import Journal

@@ -37,6 +37,7 @@ from ...protocol.states import is_rejoin
 from ..contain import procs
 from ..pool.channel import WorkerChannel
 from ..ranklogs.logindex import RankLogs
+from ..run import lifecycle
 from ..run.clock import Clock
 from ..run.outcome import Outcome
 from ..store.journal import Journal
@@ -211,10 +212,9 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             rank.last_step_change = now
             await journal.rank_state(job, rank, RankState.JOINED, "rank.joined",
                                      seconds=round(now - rank.spawned_at, 3))
-            if all(r.state in (RankState.JOINED, RankState.TRAINING) for r in job.ranks) and (
-                len(job.ranks) == job.spec.nproc and job.state is JobState.STARTING
-            ):
-                await journal.job_state(job, JobState.RUNNING, "all ranks joined")
+            joined = sum(r.state in (RankState.JOINED, RankState.TRAINING) for r in job.ranks)
+            if (new := lifecycle.when_joined(job.state, joined, job.spec.nproc)) is not None:
+                await journal.job_state(job, new, "all ranks joined")
         case PhaseChanged(phase="training"):
             rank.last_step_change = now  # DDP is built: the progress clock starts over
             if rank.state is RankState.JOINED:

@@ -31,10 +31,10 @@ from ..layout import job_dir
 from ..multinode.elastic import NodeError, check_endpoint
 from ..multinode.nodes import NodeSession
 from ..pool.pool import WarmPool
+from ..run import lifecycle
 from ..store.errors import NotRunnableError
 from ..store.journal import Journal
 from ..store.records import Job
-from . import lifecycle
 from .admission import admit, check_key, check_limits, over_user_gpus
 from .dependencies import Broken, Ready, kinds_of, resolve_after, states_of, verdict
 from .leftovers import kill_cgroup, kill_marked

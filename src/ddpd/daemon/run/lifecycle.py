@@ -1,6 +1,8 @@
-"""Every job-state decision, as pure functions: after an attempt, after a daemon restart, at retention.
+"""Every job-state decision, as pure functions: all ranks joined, after an attempt, after a daemon
+restart, whether a job may be removed; the one set of ACTIVE states.
 
-The scheduler applies these decisions through the journal; nothing here does I/O or reads a clock.
+The scheduler and the attempt's frame reader apply these decisions through the journal (which
+checks each transition against `protocol.states`); nothing here does I/O or reads a clock.
 """
 
 from __future__ import annotations
@@ -42,13 +44,6 @@ def after_daemon_restart(state: JobState, *, attempt: int, max_restarts: int) ->
 def when_joined(state: JobState, joined: int, nproc: int) -> JobState | None:
     """A starting job is running once every rank joined the process group."""
     return JobState.RUNNING if state is JobState.STARTING and joined == nproc else None
-
-
-def expires_at(state: JobState, finished_at: float | None, retention: float) -> float | None:
-    """When an ended job is pruned (wall-clock time); None: never (not ended, or retention 0)."""
-    if not state.final or finished_at is None or retention <= 0:
-        return None
-    return finished_at + retention
 
 
 def removal_refused(state: JobState) -> str | None:
