@@ -32,6 +32,11 @@ class Retention:
         """Look again: a job ended (the first to expire, when none was), or the retention changed."""
         self._wake.set()
 
+    def reconfigure(self, retention: float) -> None:
+        """A reloaded retention (seconds; 0: keep forever): looked at again at once."""
+        self.retention = retention
+        self.wake()
+
     async def next_expiry(self) -> float | None:
         if self.retention <= 0:
             return None

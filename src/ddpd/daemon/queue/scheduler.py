@@ -100,8 +100,7 @@ class Scheduler:
         """A reloaded config: limits and defaults for new attempts, CPU slots, retention."""
         self.resources.resize_cpu(config.cpu_slots)
         self.config = config
-        self.retention.retention = config.retention
-        self.retention.wake()
+        self.retention.reconfigure(config.retention)
         self._notify()  # a raised limit may let queued jobs start
 
     # -- admission -------------------------------------------------------------------------
@@ -125,7 +124,7 @@ class Scheduler:
             if key is not None and (existing := await self.table.by_key(*key)) is not None:
                 return existing, True
             check_limits(self.config, self.unended.values(), owner_uid)
-            self.table.max_seq = seq = self.table.max_seq + 1  # taken now: concurrent submits differ
+            seq = self.table.next_seq()
             job = Job(
                 id=f"j{seq}-{secrets.token_hex(2)}",
                 seq=seq,

@@ -25,12 +25,17 @@ class JobTable:
         self.keys: dict[tuple[int, str], str] = {}  # (owner, idempotency key) -> id, for jobs held
         self._ended_ids: deque[str] = deque()  # ended jobs held, oldest first
         self.ended_counts: Counter[JobState] = Counter()  # ended jobs on record, by final state
-        self.max_seq = 0
+        self._max_seq = 0
+
+    def next_seq(self) -> int:
+        """A new job's number, taken now (concurrent submits get different ones)."""
+        self._max_seq += 1
+        return self._max_seq
 
     def add(self, job: Job) -> None:
         """A job saved (submitted now, or loaded at recovery)."""
         self.jobs[job.id] = job
-        self.max_seq = max(self.max_seq, job.seq)
+        self._max_seq = max(self._max_seq, job.seq)
         if job.idempotency_key is not None:
             self.keys[(job.owner_uid, job.idempotency_key)] = job.id
         if job.state.final:
