@@ -34,6 +34,10 @@ pytestmark = pytest.mark.anyio
 VERSION = 'v1 "quoted"\\ and\nnewline'  # a label value the exposition must escape
 
 
+GPUS = [GpuInfo(index=i, name="H200", uuid=f"GPU-{i}", memory_total=141 << 30, memory_used=i << 30,
+                utilization=None if i else 97, source="nvml") for i in range(2)]
+
+
 def samples(text: str) -> dict[str, list[Sample]]:
     out: dict[str, list[Sample]] = {}
     for family in text_string_to_metric_families(text):
@@ -54,13 +58,13 @@ def child() -> Iterator[subprocess.Popen[bytes]]:
 @pytest.fixture
 async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
     db = StateDB(tmp_path / "ddpd.db")
-    yield Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(2, 4))
+    yield Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(GPUS, 4))
     db.close()
 
 
 def running_job(sched: Scheduler, pid: int) -> Job:
     job = Job(id="j7-beef", seq=7, name="t", owner_uid=1000, spec=JobSpec(task="two-layer", nproc=2, steps=100),
-              state=JobState.RUNNING, submitted_at=time.time(), attempt=1, gpus=[1])
+              state=JobState.RUNNING, submitted_at=time.time(), attempt=1, gpus=["GPU-1"])
     job.ranks = [Rank(rank=0, attempt=1, state=RankState.TRAINING, pid=pid, step=12, last_frame=time.monotonic()),
                  Rank(rank=1, attempt=1, state=RankState.TRAINING, pid=None, step=11, last_frame=time.monotonic())]
     sched.table.add(job)
@@ -100,11 +104,12 @@ async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Schedule
 async def test_gpu_series_name_the_job_that_holds_each_gpu(sched: Scheduler) -> None:
     job = running_job(sched, pid=2**22 + 1)
     metrics = Metrics(sched, time.monotonic(), "v", gpus=False)
-    metrics.collector.usage = Usage(gpus=[
-        GpuInfo(index=i, name="H200", uuid=f"GPU-{i}", memory_total=141 << 30, memory_used=i << 30,
-                utilization=None if i else 97, source="nvml") for i in range(2)])
+    metrics.collector.usage = Usage(gpus=[*GPUS, GpuInfo(index=2, name="H200", uuid="GPU-2", memory_total=1,
+                                                         memory_used=0, utilization=0, source="nvml")])
     got = samples(generate_latest(metrics.registry).decode())
-    assert [(s.labels, s.value) for s in got["ddpd_gpu_job"]] == [({"gpu": "1", "job_id": job.id}, 1)]
+    # named as everywhere (NVML index and UUID); a GPU NVML lists but the daemon does not schedule: none
+    assert [(s.labels, s.value) for s in got["ddpd_gpu_job"]] == [({"gpu": "1", "uuid": "GPU-1", "job_id": job.id}, 1)]
+    assert [(s.labels["gpu"], s.value) for s in got["ddpd_gpu_held_ratio"]] == [("0", 0.0), ("1", 0.0)]
     assert [s.value for s in got["ddpd_gpu_memory_used_bytes"]] == [0, 1 << 30]
     assert [s.value for s in got["ddpd_gpu_memory_total_bytes"]] == [141 << 30] * 2
     assert [(s.labels["gpu"], s.value) for s in got["ddpd_gpu_utilization_percent"]] == [("0", 97)]
