@@ -16,10 +16,12 @@ for _ in $(seq 1 300); do ddpctl ping >/dev/null 2>&1 && break; sleep 0.1; done
 ddpctl ping >/dev/null
 
 echo "== submitting the classic two-layer job, 2 ranks (gloo on CPU)"
+echo "   (the seed program's model; its loss here is an MSE to a target the model can learn, so it falls"
+echo "    as training goes; the seed's own (a+b).sum() only goes negative: --option loss=sum)"
 job=$(ddpctl submit --task two-layer --nproc 2 --steps 20 --name demo)
 echo "job $job"
 echo "== progress, rank by rank"
-ddpctl events "$job" -f | grep -E 'rank\.(spawned|connected|joined|progress|result|exited)|job\.(state_changed|finished)' || true
+ddpctl events "$job" -f --since 0 | grep -E 'rank\.(spawned|connected|joined|progress|result|exited)|job\.(state_changed|finished)' || true
 echo "== summary"
 ddpctl status "$job"
 ddpctl wait "$job"
