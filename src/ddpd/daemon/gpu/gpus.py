@@ -233,16 +233,14 @@ def processes(gpu: GpuInfo) -> list[GpuProcess]:
 
 def _named(gpus: list[GpuInfo], entry: str) -> list[GpuInfo]:
     """The devices one ``CUDA_VISIBLE_DEVICES`` entry names ([] for none): an NVML index (a MIG-mode
-    GPU's index: its MIG devices), or a unique UUID prefix (a GPU's: its MIG devices)."""
+    GPU's index: its MIG devices), or a prefix of exactly one device's UUID."""
     if entry.isdigit():
         return [g for g in gpus if g.index == int(entry)]
     if not entry:
         return []
     prefix = entry if entry.startswith(("GPU-", "MIG-")) else f"GPU-{entry}"
     hits = [g for g in gpus if g.uuid.startswith(prefix)]
-    if len(hits) == 1 or (hits and prefix.startswith("GPU-") and len({g.index for g in hits}) == 1):
-        return hits
-    return []
+    return hits if len(hits) == 1 else []
 
 
 def visible(gpus: list[GpuInfo], value: str | None) -> list[GpuInfo]:
