@@ -42,7 +42,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .runtime import Runtime
 from .tasks import Task, TaskContext, default_forward, resolve_factory, to_device
 
-# set by the daemon's launch code (the same name is in ddpd.daemon.gpu.gpus; daemon and worker share no module)
+# set by the daemon's launch code (the same name is in ddpd.daemon.gpu.rankenv; daemon and worker share no module)
 COLLECTIVE_TIMEOUT_ENV = "DDPD_COLLECTIVE_TIMEOUT"
 PROGRESS_MIN, PROGRESS_MAX = 0.25, 1.0
 

@@ -1,4 +1,4 @@
-"""The machine's GPUs as the daemon sees them, without initialising CUDA; and the environment of a job's ranks.
+"""The machine's GPUs as the daemon sees them, without initialising CUDA.
 
 Discovery and health come from NVML (nvidia-ml-py, ``import pynvml``), which answers from the
 driver without a CUDA context: each schedulable device's NVML index, name, UUID, memory and
@@ -36,22 +36,14 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 
-from ..config import JobTimeouts
-
 FALLBACK_TIMEOUT = 60.0  # seconds for the torch child (a cold `import torch` takes seconds)
 NVML_LOCK_TIMEOUT = 10.0  # seconds to wait for another thread's NVML call before giving up
 CALL_TIMEOUT = 30.0  # the async wrappers' bound
-TRACE_BUFFER_SIZE = 2000  # NCCL flight recorder entries per rank
-# the worker reads the same name (ddpd.worker.loop.COLLECTIVE_TIMEOUT_ENV)
-COLLECTIVE_TIMEOUT_ENV = "DDPD_COLLECTIVE_TIMEOUT"
-COLLECTIVE_MARGIN = 60.0  # seconds past the daemon's own hang detection and teardown
-NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # torch appends the rank
 MIG_ENABLED = 1  # pynvml.NVML_DEVICE_MIG_ENABLE
 
 _nvml_lock = threading.Lock()
@@ -332,44 +324,6 @@ async def processes_async(gpu: GpuInfo, timeout: float = CALL_TIMEOUT) -> list[G
     """`processes` in a worker thread of this module's limiter; TimeoutError past `timeout`."""
     with anyio.fail_after(timeout):
         return await anyio.to_thread.run_sync(processes, gpu, limiter=_limit(), abandon_on_cancel=True)
-
-
-def collective_timeout(timeouts: JobTimeouts) -> float:
-    """Seconds a rank's collective may wait before NCCL (or gloo) gives up on it.
-
-    Past the daemon's own diagnosis: a stuck rank is found by the progress timeout (or the join
-    timeout before the first step, whichever is longer), its stacks are dumped and the group is
-    torn down within the kill grace. The backend's timeout comes after that, by `COLLECTIVE_MARGIN`,
-    so the daemon names the stuck rank before a waiting peer fails with a timeout of its own; it
-    still ends a wait that nothing else would (a daemon with the progress watch off).
-    """
-    detect = max(timeouts.progress, timeouts.join) + timeouts.heartbeat
-    return detect + timeouts.kill_grace + COLLECTIVE_MARGIN
-
-
-def nccl_env(attempt_dir: str | os.PathLike[str]) -> dict[str, str]:
-    """NCCL's flight recorder for a GPU job's ranks: ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (and its newer
-    name ``TORCH_FR_BUFFER_SIZE``) entries, dumped on a timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``) to
-    ``<attempt_dir>/nccl-trace-rank-<rank>``, beside the rank logs.
-
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is left alone: torch's default (3, tear down without
-    ``ncclCommAbort``, which can hang) unless the job or its environment sets it.
-    """
-    trace = str(Path(attempt_dir) / NCCL_TRACE_PREFIX)
-    return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_BUFFER_SIZE),
-        "TORCH_FR_BUFFER_SIZE": str(TRACE_BUFFER_SIZE),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace,
-        "TORCH_FR_DUMP_TEMP_FILE": trace,
-    }
-
-
-def rank_defaults(timeouts: JobTimeouts, attempt_dir: str | os.PathLike[str], *, gpus: bool) -> dict[str, str]:
-    """What every rank of an attempt starts with before the job's own ``env``: the collective
-    timeout (``DDPD_COLLECTIVE_TIMEOUT``, `collective_timeout`: CPU jobs too, the built-in loop and
-    script mode's wrapped ``init_process_group`` pass it), and on GPUs the flight recorder (`nccl_env`)."""
-    return {COLLECTIVE_TIMEOUT_ENV: f"{collective_timeout(timeouts):g}", **(nccl_env(attempt_dir) if gpus else {})}
 
 
 async def daemon_devices(configured: int | None) -> tuple[list[GpuInfo], str | None]:
