@@ -13,7 +13,8 @@ exit status (the owner's wait gets ECHILD and CPython reports exit code 0). So:
   the daemon's children (`/proc/self/task/*/children`, else a scan of /proc) and reaps those that
   are zombies, not registered, and not in the daemon's own process group (helpers it runs through
   `subprocess.run` or `anyio.run_process` stay in that group and are waited for by their callers);
-  registrations whose pid is no longer a child (its owner reaped it) are dropped.
+  registrations whose pid is no longer a child of the same start time (its owner reaped it) are
+  dropped.
 
 `spawned` and `reap_inherited` block briefly (a fork, a few /proc reads); `reap_forever` runs the
 reaping in a worker thread.
@@ -86,13 +87,14 @@ def _inherited_zombie(pid: int, own_group: int) -> bool:
 
 def reap_inherited() -> list[int]:
     """Reap every zombie child that no owner waits for (blocking: call via anyio.to_thread)."""
-    own_group = os.getpgid(0)
+    own_group, me = os.getpgid(0), os.getpid()
     reaped: list[int] = []
     with _lock:
-        kids = children()
-        for pid in [p for p in _known if p not in kids]:
-            del _known[pid]
-        for pid in kids:
+        for pid, start in list(_known.items()):  # by /proc, not by the listing (a thread's exit moves its children)
+            info = _stat(pid)
+            if info is None or info[1] != me or info[3] != start:
+                del _known[pid]
+        for pid in children():
             if not _inherited_zombie(pid, own_group):
                 continue
             try:
