@@ -89,9 +89,10 @@ class CurveStore:
                     self._ended.discard(gone)
 
     def latest(self, job_id: str) -> Bucket | None:
-        """The last point of a job's curve held in memory (running jobs), for the metrics."""
+        """The newest point of a job's curve held in memory (running jobs; the one still waiting for the
+        other ranks included), for the metrics."""
         entry = self.entries.get(job_id)
-        return entry.feed.curve.buckets[-1] if entry is not None and entry.feed.curve.buckets else None
+        return entry.feed.latest() if entry is not None else None
 
     # -- reads -----------------------------------------------------------------------------------
 

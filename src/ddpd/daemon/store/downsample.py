@@ -127,8 +127,7 @@ class Curve:
         """Steps done and seconds over the trailing window that ends at this sample: from the latest
         earlier sample of the attempt at least RATE_SECONDS or RATE_STEPS back ((0, 0): none yet)."""
         recent = self.state.recent
-        anchor = next(((rt, rs) for rt, rs in reversed(recent) if t - rt >= RATE_SECONDS or step - rs >= RATE_STEPS),
-                      None)
+        anchor = self.anchor(t, step)
         recent.append((t, step))
         while len(recent) > 2 and (t - recent[1][0] >= RATE_SECONDS or step - recent[1][1] >= RATE_STEPS):
             del recent[0]  # its successor is far enough back for every later sample
@@ -136,6 +135,11 @@ class Curve:
         if anchor is None or t <= anchor[0]:
             return 0, 0.0
         return step - anchor[1], t - anchor[0]
+
+    def anchor(self, t: float, step: int) -> tuple[float, int] | None:
+        """The latest sample of the attempt at least RATE_SECONDS or RATE_STEPS before (t, step)."""
+        return next(((rt, rs) for rt, rs in reversed(self.state.recent)
+                     if t - rt >= RATE_SECONDS or step - rs >= RATE_STEPS), None)
 
     def _halve(self) -> None:
         b = self.state.buckets
@@ -205,6 +209,21 @@ class JobFeed:
             while len(ahead) > MAX_EARLY:
                 del ahead[min(ahead)]
         return self._commit(final) or added
+
+    def latest(self) -> Bucket | None:
+        """The newest point, the one still pending included (live metrics: not a report behind)."""
+        last = self.curve.buckets[-1] if self.curve.buckets else None
+        if not self.pending:
+            return last
+        step = max(self.pending)
+        t, losses = self.pending[step]
+        values = [v for v in losses.values() if v is not None]
+        loss = math.fsum(v / len(values) for v in values) if values else None
+        last_sample = self.curve.state.last
+        same = last_sample is not None and last_sample[0] == (self.attempt or 0)  # rates within one attempt
+        anchor = self.curve.anchor(t, step) if same else None
+        done, span = (step - anchor[1], t - anchor[0]) if anchor is not None and t > anchor[0] else (0, 0.0)
+        return Bucket(t=t, step=step, loss=loss, done=done, span=span)
 
     def finish(self) -> bool:
         """The job ended: every pending point goes in with the losses it has."""
