@@ -4,7 +4,8 @@ on the daemon's PYTHONPATH), real CPU ranks that print the CUDA_VISIBLE_DEVICES 
 - a daemon started with CUDA_VISIBLE_DEVICES=2,3 places jobs on those physical GPUs, by UUID;
 - fractions pack (two 0.5 ranks on one GPU), a whole-GPU job takes the other, a third job waits;
 - the same GPU is named alike (NVML index and UUID) in `status`, `ddpctl daemon` and the metrics;
-- a script sees the job's GPUs and its own in DDPD_CUDA_DEVICES; every job gets a collective timeout;
+- a script sees the job's GPUs and its own in DDPD_CUDA_DEVICES; every job gets a collective
+  timeout, which a script that gives none joins with;
 - a GPU job whose torch has no CUDA fails naming why (this CPU wheel);
 - draining: a rank that cannot be killed (frozen in a cgroup v1 freezer: uninterruptible) keeps
   its GPU from the next job until it is gone and NVML no longer lists it.
@@ -117,7 +118,7 @@ async def test_a_subset_daemon_places_by_uuid_packs_fractions_and_names_gpus_ali
         assert_nothing_left(done)
 
 
-async def test_scripts_see_the_jobs_gpus_and_their_own_and_cuda_less_gpu_jobs_fail_naming_why(
+async def test_scripts_see_their_gpus_and_the_collective_timeout_and_cuda_less_gpu_jobs_fail_naming_why(
         short_tmp: Path) -> None:
     async with fake_gpu_daemon(short_tmp, nvml_state(2)) as (d, _):
         script = await d.run(d.spec(script=[str(SCRIPTS / "show_env.py")], nproc=2, gpus_per_rank=1, device="cpu"))
@@ -130,12 +131,18 @@ async def test_scripts_see_the_jobs_gpus_and_their_own_and_cuda_less_gpu_jobs_fa
             assert float(env["DDPD_COLLECTIVE_TIMEOUT"]) >= 600 + 60
             assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env or "TORCH_NCCL_ASYNC_ERROR_HANDLING" in os.environ
 
+        # a CPU script that gives no timeout joins with the daemon's, past its own hang diagnosis
+        timed = await d.run(d.spec(script=[str(SCRIPTS / "show_timeout.py")], nproc=1, timeouts={"progress": 30}))
+        assert timed.state == JobState.SUCCEEDED, timed.root_cause
+        seen = (await rank_reports(d.client, timed.id))[0]
+        assert seen["timeout"] == float(seen["env"]) >= 30 + 60  # not torch's 30 min default for gloo
+
         # device auto with GPUs given, on a torch without CUDA: no silent CPU run while holding GPUs
         cudaless = await d.run(d.spec(task="two-layer", nproc=1, gpus_per_rank=1, steps=2))
         assert cudaless.state == JobState.FAILED
         assert cudaless.root_cause is not None
         assert "built without CUDA" in (cudaless.root_cause.message or "") + (cudaless.root_cause.traceback or "")
-        assert_nothing_left([script, cudaless])
+        assert_nothing_left([script, timed, cudaless])
 
 
 async def exited(pid: int) -> None:
