@@ -1,12 +1,12 @@
 """When the daemon saw each part of a rank log: a small index of (end offset, wall time) beside it.
 
 A rank writes its stdout and stderr straight into its files; the daemon is not in the data path.
-At each tick (`TICK`, a quarter second) of a rank's log keeper, each stream that grew gets one
-entry appended to ``<log>.idx``: the size it had and the time it was seen. A line is stamped with
-the time of the first entry at or after its end (`stamp`), so a stamp is when the daemon received
-the line, to within a tick; a line past the last entry (written since the last tick) is stamped
-with the time it is read. `--since` starts at the entry before the first one at or after the
-time (`since_offset`).
+At each look of the attempt's log keeper (`keeper`: when a log was written to, at most once a
+`TICK`, a quarter second), each stream that grew gets one entry appended to ``<log>.idx``: the
+size it had and the time it was seen. A line is stamped with the time of the first entry at or
+after its end (`stamp`), so a stamp is when the daemon received the line, to within a tick; a line
+past the last entry (written since the last look) is stamped with the time it is read. `--since`
+starts at the entry before the first one at or after the time (`since_offset`).
 
 Each rotation is also told to the daemon's readers (`Job.log_cuts`: which bytes of the live log
 the backup holds) before the live log is emptied, so a follower goes on in the backup where it was.

@@ -20,9 +20,9 @@ directory (and a path's) is resolved through directory fds one component at a ti
 (`files.open_dir_safely`): a rank that swaps its job or attempt directory for a symlink into
 another user's tree makes the rotation fail (RotationError), never redirects it there.
 
-`plan` and `line_start` are the pure policy; `rotate` is blocking: `logindex.tick` calls it, every
-quarter second, from the thread of `workspace.keep_logs` (on the job-file limiter of `files`, with a
-bounded wait).
+`plan` and `line_start` are the pure policy; `rotate` is blocking: `logindex.tick` calls it from the
+thread of the attempt's `keeper.LogKeeper` when the log grew, at most once a quarter second (on the
+job-file limiter of `files`, with a bounded wait).
 """
 
 from __future__ import annotations
