@@ -51,8 +51,9 @@ def bf16_probe(ctx: TaskContext) -> Task:
 
 
 def sync_checked(ctx: TaskContext) -> Task:
-    """The ``mlp`` task with ``torch.cuda.set_sync_debug_mode("error")`` over every step after the first:
-    any implicit host-device synchronisation in the built-in loop's step fails the rank. The loop's
+    """The ``mlp`` task with ``torch.cuda.set_sync_debug_mode("error")`` over every step after the second
+    (DDP rebuilds its buckets in the second forward, copying their indices to the host itself): any
+    implicit host-device synchronisation in the built-in loop's step fails the rank. The loop's
     own deliberate reads (a Progress frame's loss, the stop vote) run with the check off; each step
     turns it on again. Prints ``SYNC-CHECKED <n> steps`` at the end."""
     from ddpd.worker import loop
@@ -71,7 +72,7 @@ def sync_checked(ctx: TaskContext) -> Task:
 
     def on_step(step: int) -> None:
         nonlocal checked
-        if step >= 2:  # the first step builds DDP's buckets
+        if step >= 3:  # DDP's own first two steps left out (its buckets are built, then rebuilt)
             torch.cuda.set_sync_debug_mode("error")
             checked += 1
         if step == ctx.steps:
