@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import gated, wait_state, wait_waiting_at_gate
 from .users import user_python_for_tests
-from .webserver import WebServer, web_server
+from .webserver import DDPCTL, WebServer, web_server
 
 pytestmark = pytest.mark.anyio
 
@@ -223,3 +225,52 @@ def test_the_chart_draws_finite_numbers_only() -> None:
     assert "no loss yet" in loss_svg(CurveResult(job_id="j", state="QUEUED", points=[]))
     flat = loss_svg(CurveResult(job_id="j", state="RUNNING", points=[CurvePoint(1.0, 1, 1.0, None)]))
     assert 'data-points="1"' in flat and "nan" not in flat.lower()
+
+
+async def test_open_port_taken_and_no_daemon(daemon: DaemonProc, tmp_path: Path) -> None:
+    """--open hands the printed URL to the browser; a taken port and a missing daemon are one clear line."""
+    opened = tmp_path / "opened"
+    browser = tmp_path / "browser.sh"
+    _write_script(browser, f'#!/bin/sh\necho "$1" > {opened}\n')
+    os.mkfifo(opened)  # the browser command's handshake: it writes the URL it was given into it
+    reader = os.open(opened, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        async with web_server(daemon.socket, "--open", env={"BROWSER": str(browser)}) as web:
+            with anyio.fail_after(TIMEOUT):
+                await anyio.wait_readable(reader)
+            assert os.read(reader, 4096).decode().strip() == web.url
+    finally:
+        os.close(reader)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = await anyio.run_process([DDPCTL, "--socket", str(daemon.socket), "web", "--port", port], check=False,
+                                       stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr.decode() and not done.stdout
+    done = await anyio.run_process([DDPCTL, "--socket", str(tmp_path / "none.sock"), "web"], check=False,
+                                   stdin=subprocess.DEVNULL)
+    assert done.returncode == 3 and "cannot reach ddpd" in done.stderr.decode() and not done.stdout
+
+
+def _write_script(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def test_the_daemon_page_shows_each_gpu() -> None:
+    """GPUs as NVML reports them (a stand-in DaemonInfo: no GPU here): memory, use, holders, others."""
+    from ddpd.cli.web.data import DaemonPage, UserQueue
+    from ddpd.cli.web.present import daemon_context, environment
+    from ddpd.client import DaemonInfo, GpuView
+
+    gpus = [GpuView(index=0, name="H100 <80GB>", memory_total=80 << 30, memory_used=3 << 30, utilization=97,
+                    jobs=["j3-ab12"]),
+            GpuView(index=1, name="H100", memory_total=80 << 30, memory_used=None, other_processes=2)]
+    info = DaemonInfo(version="0", protocol=1, pid=1, uptime=5.0, socket="/s", state_dir="/d", running=1, queued=2,
+                      cpu_slots=8, gpus=2, free_gpus=1, pool_ready=3, gpu_devices=gpus)
+    page = DaemonPage(info, (1.0, 0.5, 0.25), 8, [UserQueue(0, queued=2, running=1, ranks=6, gpus=1.5)])
+    html = environment().get_template("_daemon.html").render(**daemon_context(page))
+    assert "H100 &lt;80GB&gt;" in html and "3.0 GiB of 80.0 GiB" in html and "97%" in html and "j3-ab12" in html
+    assert "? of 80.0 GiB" in html and ">2<" in html and "3 ready" in html and "1 free of 2" in html
+    assert "<td>root</td>" in html and ">1.5<" in html

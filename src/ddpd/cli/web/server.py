@@ -29,6 +29,7 @@ from .present import environment
 
 HOST = "127.0.0.1"
 GRACE = 1.0  # seconds the server waits for open replies when stopping
+BACKLOG = 128
 
 
 class PortTaken(Exception):
@@ -40,6 +41,7 @@ def bind(port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((HOST, port))
+        sock.listen(BACKLOG)  # before the URL is printed: a browser that is quick waits, never refused
     except OSError as exc:
         sock.close()
         raise PortTaken(f"cannot listen on {HOST}:{port}: {exc.strerror or exc}") from None
@@ -54,6 +56,7 @@ def _config(sock: socket.socket) -> Config:
     config.accesslog = None
     config.errorlog = None
     config.keep_alive_timeout = 30
+    config.backlog = BACKLOG
     return config
 
 
@@ -68,14 +71,14 @@ async def run(socket_path: Path | None, port: int, open_browser: bool) -> None:
     app = create_app(web, address)
     url = f"http://{address}/?token={web.token}"
     stop = anyio.Event()
-    signals = anyio.CancelScope()
+    signals, opener = anyio.CancelScope(), anyio.CancelScope()
     async with anyio.create_task_group() as tg:
         tg.start_soon(hub.run)
         tg.start_soon(_on_signal, hub, stop, signals)
         sys.stdout.write(url + "\n")
         sys.stdout.flush()
-        if open_browser:
-            await anyio.to_thread.run_sync(webbrowser.open, url)
+        if open_browser:  # beside the server: a text-mode browser runs until it is left
+            tg.start_soon(_open, url, opener)
         # no cancel of this task group after it: hypercorn's own asyncio task group leaves this task
         # cancelled once more than anyio counts (Python 3.11), so its children end by their own scopes
         try:
@@ -83,6 +86,12 @@ async def run(socket_path: Path | None, port: int, open_browser: bool) -> None:
         finally:
             hub.close()
             signals.cancel()
+            opener.cancel()
+
+
+async def _open(url: str, scope: anyio.CancelScope) -> None:
+    with scope:
+        await anyio.to_thread.run_sync(webbrowser.open, url, abandon_on_cancel=True)
 
 
 async def _on_signal(hub: Hub, stop: anyio.Event, scope: anyio.CancelScope) -> None:
