@@ -37,8 +37,8 @@ from ddpd.daemon.multinode.elastic import port_holders
 from ddpd.protocol import JobSpec, RemoteError
 from ddpd.protocol.control import JobView
 
-from ..conftest import DaemonProc, running_daemon
-from ..faults.helpers import await_gone, events_of
+from ..conftest import DaemonProc, assert_gone, running_daemon
+from ..faults.helpers import events_of
 from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..rawclient import ping_within
 from ..scripts.helpers import gated, wait_waiting_at_gate
@@ -308,7 +308,8 @@ async def test_a_pickle_in_a_multinode_rendezvous_runs_as_its_job_user_never_as_
         await d.client.cancel(job_id)
         done = await wait_done(d, job_id)
         assert done.state in ("FAILED", "CANCELLED"), done.state
-        await await_gone(agent, 30)  # the job's rendezvous agent ended with it
+        await d.wait_log(lambda e: e.get("event") == "nodes.agent_stopped" and e.get("pid") == agent, 30)
+        assert_gone(agent)  # the job's rendezvous agent ended (and was reaped) with it
     assert_left_nothing(job_id)
 
 

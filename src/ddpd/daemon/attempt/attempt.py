@@ -41,9 +41,9 @@ from ..contain import procs
 from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.identity import Identity, UnknownUser
 from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
-from ..contain.portfence import Fence, daemon_tag, fence_port, unfence
+from ..contain.portfence import PortOwner, daemon_tag
 from ..contain.usertree import open_user_file
-from ..gpu.rankenv import rank_defaults
+from ..gpu.gpus import rank_defaults
 from ..layout import checkpoint_dir, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
 from ..multinode.agentproc import agent_launch
 from ..multinode.multinode import settle, watch_nodes
@@ -53,7 +53,7 @@ from ..ranklogs.keeper import LogKeeper, keep_logs
 from ..ranklogs.workspace import create_logs, live_streams, prepare_dirs
 from ..run.clock import Clock, RealClock, wait_until
 from ..run.outcome import Outcome
-from ..run.rendezvous import Rendezvous, RendezvousError, hand_over, open_rendezvous
+from ..run.rendezvous import Rendezvous, RendezvousError, close_rendezvous, hand_over, open_rendezvous
 from ..run.rootcause import Evidence, explain_hang, pick_root_cause
 from ..store.journal import Journal
 from ..store.records import Job
@@ -169,9 +169,9 @@ class Attempt:
         try:
             if self.nodes is not None:
                 launch = agent_launch(self.config, job, self.identity, self.run_as(), self.subtree)
-                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc, launch)
+                rdzv, self.layout = await self.nodes.form(self.number, job.spec.nproc, launch, self.port_owner())
             else:
-                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range)
+                rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, self.port_owner())
         except RendezvousError as exc:
             return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
         job.store_port = rdzv.port
@@ -184,10 +184,9 @@ class Attempt:
                                              defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus)),
                                              identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
                                              checkpoint_dir=self.checkpoint_dir, layout=self.layout)
-        fence: Fence | None = None
         self._logs = LogKeeper(self.journal, job, self.number)  # watches the ranks' logs as they start
         try:
-            fence = await self._fence(rdzv)  # before any rank starts
+            await self._report_fences(rdzv)
             async with anyio.create_task_group() as tg:
                 try:
                     tg.start_soon(self._logs.run)
@@ -209,9 +208,8 @@ class Attempt:
                 if h.logs is not None:
                     h.logs.close()
             self._logs.close()
-            rdzv.close()
             with anyio.CancelScope(shield=True):
-                await unfence(fence)
+                await close_rendezvous(rdzv)
         assert self.outcome is not None
         outcome = self._finish_outcome(self.outcome)
         if self.nodes is not None:
@@ -340,20 +338,18 @@ class Attempt:
         assert self._launcher is not None
         await hand_over(self._launcher.rdzv, h.channel, self._launcher.assignment(h, self.gang.pgid or 0))
 
-    async def _fence(self, rdzv: Rendezvous) -> Fence | None:
-        """Only the job's owner (and root) on this host may connect to the store's port (portfence);
-        where the rule cannot be installed, a job event says why and the attempt goes on."""
+    def port_owner(self) -> PortOwner:
+        """Who may connect to this attempt's ports from this host (portfence): its owner, and root."""
+        return PortOwner(self.job.owner_uid, daemon_tag(self.config.state_dir), f"{self.job.id}/a{self.number}")
+
+    async def _report_fences(self, rdzv: Rendezvous) -> None:
+        """A port that could not be fenced (no nft, no permission) is said in the job's events."""
+        unfenced = [(rdzv.port, rdzv.unfenced)] if rdzv.unfenced else []
         if self.nodes is not None and self.nodes.unfenced:  # the endpoint's port, where this daemon serves it
-            await self.journal.event(self.job, "job.port_unfenced", port=self.nodes.port,
-                                     reason=clip_text(self.nodes.unfenced))
+            unfenced.append((self.nodes.port, self.nodes.unfenced))
             self.nodes.unfenced = ""
-        if not rdzv.hosted:
-            return None
-        fence, why = await fence_port(rdzv.port, self.job.owner_uid, daemon_tag(self.config.state_dir),
-                                      f"{self.job.id}/a{self.number}")
-        if fence is None:
-            await self.journal.event(self.job, "job.port_unfenced", port=rdzv.port, reason=clip_text(why))
-        return fence
+        for port, why in unfenced:
+            await self.journal.event(self.job, "job.port_unfenced", port=port, reason=clip_text(why))
 
     async def _release_store_host(self, rdzv: Rendezvous) -> None:
         """Local rank 0 serves the store after its own result until every other local rank has exited."""

@@ -120,10 +120,19 @@ def sweep(tag: str) -> int:
     return len(left)
 
 
-async def fence_port(port: int, uid: int, tag: str, label: str) -> tuple[Fence | None, str]:
+@dataclass(frozen=True)
+class PortOwner:
+    """Whose port a rule fences: the job's owner, the daemon's tag, the attempt's label."""
+
+    uid: int
+    tag: str
+    label: str
+
+
+async def fence_port(port: int, owner: PortOwner) -> tuple[Fence | None, str]:
     """The rule for `port` (None and why not, when it cannot be installed)."""
     try:
-        return await anyio.to_thread.run_sync(install, port, uid, tag, label), ""
+        return await anyio.to_thread.run_sync(install, port, owner.uid, owner.tag, owner.label), ""
     except FenceError as exc:
         return None, str(exc)
 

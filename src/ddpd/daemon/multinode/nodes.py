@@ -50,8 +50,8 @@ from ...protocol.agent import (
 from ...protocol.limits import clip_text
 from ...protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
 from ...protocol.spec import JobSpec
-from ..contain.portfence import Fence, daemon_tag, fence_port, unfence
-from ..run.rendezvous import Rendezvous, listen_on, open_rendezvous
+from ..contain.portfence import Fence, PortOwner, fence_port, unfence
+from ..run.rendezvous import Rendezvous, close_rendezvous, listen_on, open_rendezvous
 from .agentproc import AgentLaunch, RendezvousAgent
 from .elastic import NodeError, joinable, locate_endpoint, port_holders, route_address, taken_text
 from .nodewatch import NodeWatch, Verdict
@@ -119,16 +119,13 @@ class NodeSession:
 
     # -- forming ---------------------------------------------------------------------------
 
-    async def open(self, launch: AgentLaunch) -> None:
+    async def open(self, launch: AgentLaunch, owner: PortOwner) -> None:
         """Start the job's agent and open the rendezvous (served here, or joined)."""
         if self.agent is not None:
             return
         self.agent = await RendezvousAgent.start(launch)  # first: the endpoint is bound only once it can take it
-        listener = await self._endpoint(launch.owner_uid)
+        listener = await self._endpoint(PortOwner(owner.uid, owner.tag, f"{launch.job_id}/rdzv"))
         try:
-            if listener is not None:
-                self.fence, self.unfenced = await fence_port(self.port, launch.owner_uid, daemon_tag(launch.state_dir),
-                                                             f"{launch.job_id}/rdzv")
             fds = () if listener is None else (listener.fileno(),)
             request = AgentOpen(id=self._id(), run_id=self.spec.rdzv_id, host=self.host, port=self.port,
                                 address=self.address, serve=listener is not None, min_nodes=self.min_nodes,
@@ -143,7 +140,7 @@ class NodeSession:
                 listener.close()  # the agent has its own copy (or failed: the port is free again)
         log.info("nodes.opened", served_by=self.served_by, agent=self.agent.pid)
 
-    async def _endpoint(self, uid: int) -> socket.socket | None:
+    async def _endpoint(self, owner: PortOwner) -> socket.socket | None:
         """The endpoint's listening socket where this daemon serves it; None where it joins (a remote
         endpoint, or a local one that a ddpd agent of this user serves for this run). A local port
         held by another ddpd daemon that has not yet handed it to its agent is looked at again for
@@ -155,24 +152,34 @@ class NodeSession:
                 self.address = await anyio.to_thread.run_sync(route_address, self.host, self.port)
                 self.served_by = f"the daemon at {self.host}"
                 return None
-            if not found.taken:
-                try:
-                    listener = listen_on(found.address, self.port)
-                except OSError:  # taken in between: look at its holder
-                    continue
+            if not found.taken and (listener := await self._bind_fenced(found.address, owner)) is not None:
                 self.serving, self.address, self.served_by = True, found.address, "this daemon"
                 return listener
             holders = await anyio.to_thread.run_sync(port_holders, found.address, self.port)
-            if joinable(holders, uid, self.spec.rdzv_id):
+            if joinable(holders, owner.uid, self.spec.rdzv_id):
                 self.address, self.served_by = found.address, holders[0].describe()
                 return None
             if time.monotonic() > deadline or not any(h.daemon for h in holders):
                 raise NodeError(taken_text(self.port, found.address, next(iter(holders), None)))
             await anyio.sleep(SETTLE_INTERVAL)
 
-    async def form(self, number: int, nproc: int, launch: AgentLaunch) -> tuple[Rendezvous, NodeLayout]:
-        """Join the next round; this node's layout, and the attempt's worker store (bound here on node 0)."""
-        await self.open(launch)
+    async def _bind_fenced(self, address: str, owner: PortOwner) -> socket.socket | None:
+        """The endpoint bound on `address`, its rule installed first (the port is known: no
+        connection can come before the rule); None when the port was taken in between."""
+        if self.fence is None:
+            self.fence, self.unfenced = await fence_port(self.port, owner)
+        try:
+            return listen_on(address, self.port)
+        except OSError:
+            rule, self.fence = self.fence, None
+            await unfence(rule)
+            return None
+
+    async def form(self, number: int, nproc: int, launch: AgentLaunch, owner: PortOwner
+                   ) -> tuple[Rendezvous, NodeLayout]:
+        """Join the next round; this node's layout, and the attempt's worker store (bound and fenced
+        for `owner` here on node 0)."""
+        await self.open(launch, owner)
         record = NodeRecord(host=self.address, daemon=self.daemon, nproc=nproc, state="starting")
         try:
             formed = await self._ask(AgentForm(id=self._id(), record=record, timeout=self.join_timeout),
@@ -189,21 +196,22 @@ class NodeSession:
         offset, world = rank_layout([r.nproc for r in self.records.values()], node)
         self.layout = NodeLayout(node, nnodes, offset, world, self.spec.rdzv_id,
                                  number - 1 - self.membership_changes)
-        rdzv = await self._worker_store(node)
+        rdzv = await self._worker_store(node, owner)
         self.watch_state = None
         self._view()
         log.info("nodes.formed", node_rank=node, nnodes=nnodes, offset=offset, world_size=world,
                  master=f"{rdzv.host}:{rdzv.port}")
         return rdzv, self.layout
 
-    async def _worker_store(self, node: int) -> Rendezvous:
-        """Node 0: bind the attempt's worker store port and publish it; the others: read it."""
+    async def _worker_store(self, node: int, owner: PortOwner) -> Rendezvous:
+        """Node 0: bind (and fence) the attempt's worker store port and publish it; the others: read it."""
         if node == 0:
-            rdzv = await open_rendezvous(self.address, self.port_range)
+            rdzv = await open_rendezvous(self.address, self.port_range, owner)
             try:
                 await self._ask(AgentSetMaster(id=self._id(), address=f"{rdzv.host}:{rdzv.port}"), self.keep_alive)
             except (NodeError, TimeoutError) as exc:
-                rdzv.close()
+                with anyio.CancelScope(shield=True):
+                    await close_rendezvous(rdzv)
                 raise NodeError(f"cannot publish the worker store: {exc}") from None
             return rdzv
         try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 
 from ...protocol.channel import Assign
+from ..contain.portfence import Fence, PortOwner, fence_port, unfence
 from ..pool.channel import WorkerChannel
 
 log = structlog.get_logger("ddpd")
@@ -81,6 +82,8 @@ class Rendezvous:
     port: int
     listener: socket.socket | None = None
     hosted: bool = False  # a local rank serves the store (this daemon bound its port)
+    fence: Fence | None = None  # the port's rule: its owner and root only, from this host
+    unfenced: str = ""  # why the port has no rule, where it has none
 
     def close(self) -> None:
         """Close the daemon's copy of the listening socket (the store's host keeps its own)."""
@@ -89,10 +92,12 @@ class Rendezvous:
             self.listener = None
 
 
-async def open_rendezvous(host: str, port_range: tuple[int, int] | None) -> Rendezvous:
-    """The attempt's bound port. On a loopback host a `port_range` that others hold entirely (any
-    local user can bind its ports) falls back to an ephemeral port, logged: no store port needs to
-    cross a firewall there. Elsewhere (a multi-node store) it stays a RendezvousError naming the range."""
+async def open_rendezvous(host: str, port_range: tuple[int, int] | None, owner: PortOwner | None = None
+                          ) -> Rendezvous:
+    """The attempt's bound port, fenced for `owner` (portfence). On a loopback host a `port_range`
+    that others hold entirely (any local user can bind its ports) falls back to an ephemeral port,
+    logged: no store port needs to cross a firewall there. Elsewhere (a multi-node store) it stays a
+    RendezvousError naming the range."""
     try:
         sock = bind_port(host, port_range)
     except RendezvousError as exc:
@@ -100,7 +105,45 @@ async def open_rendezvous(host: str, port_range: tuple[int, int] | None) -> Rend
             raise
         log.warning("rendezvous.range_exhausted", host=host, port_range=list(port_range), fallback="ephemeral")
         sock = bind_port(host, None)
-    return Rendezvous(host=host, port=int(sock.getsockname()[1]), listener=sock, hosted=True)
+    rdzv = Rendezvous(host=host, port=int(sock.getsockname()[1]), listener=sock, hosted=True)
+    if owner is not None:
+        try:
+            await fence(rdzv, owner)
+        except BaseException:
+            await close_rendezvous(rdzv)
+            raise
+    return rdzv
+
+
+async def fence(rdzv: Rendezvous, owner: PortOwner) -> None:
+    """Install the port's rule, then drop the connections queued before it was in place: no rank
+    exists yet and the address is published nowhere, so none of them is the job's."""
+    rdzv.fence, rdzv.unfenced = await fence_port(rdzv.port, owner)
+    if rdzv.fence is not None and rdzv.listener is not None:
+        drop_queued(rdzv.listener)
+
+
+def drop_queued(sock: socket.socket) -> int:
+    """Accept and close every connection waiting in the listener's backlog (how many there were)."""
+    dropped = 0
+    sock.setblocking(False)
+    try:
+        while True:
+            conn, _ = sock.accept()
+            conn.close()
+            dropped += 1
+    except (BlockingIOError, InterruptedError):
+        pass
+    finally:
+        sock.setblocking(True)
+    return dropped
+
+
+async def close_rendezvous(rdzv: Rendezvous) -> None:
+    """The daemon's copy of the socket closed and the port's rule removed (call it shielded)."""
+    rdzv.close()
+    rule, rdzv.fence = rdzv.fence, None
+    await unfence(rule)
 
 
 async def hand_over(rdzv: Rendezvous, channel: WorkerChannel, assign: Assign) -> bool:
