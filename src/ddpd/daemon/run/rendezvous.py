@@ -132,7 +132,7 @@ def drop_queued(sock: socket.socket) -> int:
             conn, _ = sock.accept()
             conn.close()
             dropped += 1
-    except (BlockingIOError, InterruptedError):
+    except OSError:  # empty (EAGAIN), or out of descriptors (EMFILE): never an error of the attempt
         pass
     finally:
         sock.setblocking(True)
