@@ -59,7 +59,7 @@ from ..store.journal import Journal
 from ..store.records import Job
 from .deadlines import Limits, Watch, check
 from .gang import RankGang
-from .launch import Launcher
+from .launch import LaunchContext, Launcher
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
 from .stacks import collect, find_py_spy
 from .teardown import escalate
@@ -179,18 +179,13 @@ class Attempt:
         nodes: dict[str, Any] = {} if lay is None else {"node_rank": lay.node_rank, "nnodes": lay.nnodes,
                                                         "world_size": lay.world_size}
         await self.journal.event(job, "job.rendezvous", host=rdzv.host, port=rdzv.port, **nodes)
-        launcher = self._launcher = Launcher(self.config, job, self.number, self.marker, rdzv, self.dir,
-                                             self.limits.join, self.clock, self.pool,
-                                             defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus)),
-                                             identity=self.identity, run_as=self.run_as(), job_dir=self.job_dir,
-                                             checkpoint_dir=self.checkpoint_dir, layout=self.layout)
         self._logs = LogKeeper(self.journal, job, self.number)  # watches the ranks' logs as they start
         try:
             await self._report_fences(rdzv)
             async with anyio.create_task_group() as tg:
                 try:
                     tg.start_soon(self._logs.run)
-                    await self._launch(tg, launcher)
+                    await self._launch(tg, rdzv)
                     tg.start_soon(self._timers)
                     tg.start_soon(self._release_store_host, rdzv)
                     if self.nodes is not None:
@@ -236,7 +231,7 @@ class Attempt:
 
     # -- launching -------------------------------------------------------------------------
 
-    async def _launch(self, tg: anyio.abc.TaskGroup, launcher: Launcher) -> None:
+    async def _launch(self, tg: anyio.abc.TaskGroup, rdzv: Rendezvous) -> None:
         job = self.job
         assert self.identity is not None
         try:
@@ -252,9 +247,7 @@ class Attempt:
             except (OSError, ValueError) as exc:
                 limits = LimitsOutcome(unavailable={c: f"cannot write the limit: {exc}" for c in wanted(job.spec)})
             await self.journal.event(job, "job.limits", applied=limits.applied, unavailable=limits.unavailable)
-        if self.gang.cgroup is not None:
-            launcher.place = self.gang.cgroup.add
-            launcher.cgroup = self.gang.cgroup
+        launcher = self._launcher = self._launcher_for(rdzv)
         launcher.use_pool()
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
@@ -273,7 +266,7 @@ class Attempt:
                         live_streams, self.config.state_dir, self.identity, job, self.number,
                         [str(log_path), stderr_log(str(log_path))], list(fds))
                     try:
-                        h = launcher.start(local, log_path, fds, self.gang.pgid)
+                        h = await launcher.start(local, log_path, fds, self.gang.pgid)
                     except BaseException:
                         logs.close()
                         raise
@@ -312,6 +305,16 @@ class Attempt:
             return None
         self.gang.cgroup = cg
         return str(cg.path)
+
+    def _launcher_for(self, rdzv: Rendezvous) -> Launcher:
+        """The attempt's launcher, once its cgroup (where there is one) exists."""
+        assert self.identity is not None
+        job = self.job
+        return Launcher(LaunchContext(
+            config=self.config, job=job, number=self.number, marker=self.marker, rdzv=rdzv, identity=self.identity,
+            run_as=self.run_as(), attempt_dir=self.dir, job_dir=self.job_dir, checkpoint_dir=self.checkpoint_dir,
+            join_timeout=self.limits.join, clock=self.clock, cgroup=self.gang.cgroup, layout=self.layout,
+            defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus))), self.pool)
 
     async def _rank_tasks(self, h: RankHandle) -> None:
         """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""

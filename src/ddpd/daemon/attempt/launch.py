@@ -24,9 +24,12 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import msgspec
 
 from ...protocol.channel import Assign
@@ -39,7 +42,7 @@ from ..gpu.layout import OWN_DEVICES_ENV, rank_visible
 from ..layout import rank_error_file_name, stderr_log
 from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
-from ..pool.pool import WarmPool, end_cgroup
+from ..pool.pool import PoolWorker, WarmPool, end_cgroup
 from ..pool.poolkeys import PoolKey, Shape, base_env, pool_eligible, start_env
 from ..run.clock import Clock
 from ..run.rendezvous import Rendezvous
@@ -92,31 +95,49 @@ def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rende
     return env
 
 
+@dataclass(frozen=True)
+class LaunchContext:
+    """What one attempt's ranks start from, all known before the first of them starts."""
+
+    config: Config
+    job: Job
+    number: int
+    marker: str
+    rdzv: Rendezvous
+    identity: Identity  # the submitter
+    run_as: Identity | None  # the submitter, when this (root) daemon starts ranks as another user
+    attempt_dir: Path
+    job_dir: Path
+    checkpoint_dir: Path
+    join_timeout: float
+    clock: Clock
+    cgroup: AttemptCgroup | None = None  # the attempt's: cold ranks start in it, pooled ranks' cgroups move in
+    layout: NodeLayout | None = None  # a multi-node attempt: this node's place in the world
+    defaults: Mapping[str, str] = field(default_factory=dict)  # every rank's, below the job's own env
+
+
 class Launcher:
     """Starts the ranks of one attempt (cold, or from the warm pool when the job may use it)."""
 
-    def __init__(self, config: Config, job: Job, number: int, marker: str, rdzv: Rendezvous, attempt_dir: Path,
-                 join_timeout: float, clock: Clock, pool: WarmPool | None,
-                 defaults: Mapping[str, str] | None = None, *, identity: Identity, run_as: Identity | None = None,
-                 place: Callable[[int], None] | None = None, job_dir: Path, checkpoint_dir: Path,
-                 layout: NodeLayout | None = None) -> None:
-        self.defaults = dict(defaults or {})
-        self.layout = layout  # a multi-node attempt: this node's place in the world
-        self.offset = 0 if layout is None else layout.offset
-        self.config, self.job, self.number, self.rdzv, self.clock = config, job, number, rdzv, clock
-        self.marker = marker
-        self.join_timeout = join_timeout
-        self.attempt_dir = attempt_dir
-        self.run_as = run_as  # the submitter, when this (root) daemon starts ranks as another user
-        self.place = place  # enters a rank into the attempt's cgroup, where there is one
-        self.cgroup: AttemptCgroup | None = None  # the attempt's, where there is one (pooled ranks move in)
-        self.base = base_env(job.spec.environ, identity)
+    def __init__(self, ctx: LaunchContext, pool: WarmPool | None) -> None:
+        job = ctx.job
+        self.defaults = dict(ctx.defaults)
+        self.layout = ctx.layout
+        self.offset = 0 if ctx.layout is None else ctx.layout.offset
+        self.config, self.job, self.number, self.rdzv, self.clock = ctx.config, job, ctx.number, ctx.rdzv, ctx.clock
+        self.marker = ctx.marker
+        self.join_timeout = ctx.join_timeout
+        self.attempt_dir = ctx.attempt_dir
+        self.run_as = ctx.run_as
+        self.cgroup = ctx.cgroup
+        self.place = None if ctx.cgroup is None else ctx.cgroup.add  # enters a cold rank into the cgroup
+        self.base = base_env(job.spec.environ, ctx.identity)
         self.pool = pool if pool is not None and pool_eligible(job.spec) is None else None
-        self.cwd = job.spec.workdir or str(job_dir)
-        self.checkpoint_dir = checkpoint_dir
+        self.cwd = job.spec.workdir or str(ctx.job_dir)
+        self.checkpoint_dir = ctx.checkpoint_dir
         self.envs: dict[int, dict[str, str]] = {}
         self.pool_envs: dict[int, dict[str, str]] = {}  # what each pooled rank was started with
-        self.shape = self._shape(identity)
+        self.shape = self._shape(ctx.identity)
 
     def _shape(self, identity: Identity) -> Shape:
         """This job's pool key and how a pooled interpreter of it is started (as a cold rank would be)."""
@@ -143,38 +164,46 @@ class Launcher:
             return (self.job.spec.python, "-m", "ddpd.worker")
         return self.config.worker_command or (sys.executable, "-m", "ddpd.worker")
 
-    def start(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
+    async def start(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
         """Local rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
 
         `log_fds` become a cold rank's stdout and stderr (the caller closes them); a pooled rank
         appends to `log_path` and the stderr file beside it itself. `pgid` None: the rank leads the
-        attempt's new process group.
+        attempt's new process group. A pooled rank's cgroup moves in off the event loop (it may wait
+        up to TAKE_OVER_WAIT for the worker's cgroup to empty).
         Raises OSError when a cold start (or the cgroup placement of a pooled one) fails.
         """
         taken = None
         if self.pool is not None and self.pool.serves(self.shape) and (self.cgroup is not None
                                                                          or not self.pool.contained):
             taken = self.pool.take(self.shape.key)
-        if taken is not None:
-            proc, channel = taken.proc, taken.channel
-            handle = self._handle(rank, proc, channel, log_path, pgid or proc.pid, pooled=True)
-            handle.hello = taken.hello
-            self.pool_envs[rank] = taken.env
-            try:
-                if taken.cgroup is not None and self.cgroup is not None:
-                    # everything of the worker's cgroup (anything its interpreter's start forked too) moves in
-                    if not self.cgroup.take_over(taken.cgroup, TAKE_OVER_WAIT):
-                        raise OSError(f"the pooled worker's cgroup {taken.cgroup.path} did not empty")
-                elif self.place is not None:
-                    self.place(proc.pid)
-            except OSError:
-                channel.close()
-                proc.kill()
-                proc.wait()
-                if taken.cgroup is not None:
-                    end_cgroup(taken.cgroup)  # whatever stayed behind in it
-                raise
-            return handle
+        if taken is None:
+            return self._spawn(rank, log_path, log_fds, pgid)
+        handle = self._handle(rank, taken.proc, taken.channel, log_path, pgid or taken.proc.pid, pooled=True)
+        handle.hello = taken.hello
+        self.pool_envs[rank] = taken.env
+        with anyio.CancelScope(shield=True):  # bounded; the worker is ours now: never dropped half-adopted
+            await anyio.to_thread.run_sync(self._adopt, taken)
+        return handle
+
+    def _adopt(self, taken: PoolWorker) -> None:
+        """Move a pooled worker into the attempt's cgroup (blocking); OSError, the worker gone, if it cannot."""
+        try:
+            if taken.cgroup is not None and self.cgroup is not None:
+                # everything of the worker's cgroup (anything its interpreter's start forked too) moves in
+                if not self.cgroup.take_over(taken.cgroup, TAKE_OVER_WAIT):
+                    raise OSError(f"the pooled worker's cgroup {taken.cgroup.path} did not empty")
+            elif self.place is not None:
+                self.place(taken.proc.pid)
+        except OSError:
+            taken.channel.close()
+            taken.proc.kill()
+            taken.proc.wait()
+            if taken.cgroup is not None:
+                end_cgroup(taken.cgroup)  # whatever stayed behind in it
+            raise
+
+    def _spawn(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [*self.argv_prefix(), *worker_args(child_end.fileno(), os.getpid())]
         try:
