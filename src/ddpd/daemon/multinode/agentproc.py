@@ -66,7 +66,8 @@ def agent_launch(config: Config, job: Job, identity: Identity, run_as: Identity 
         argv: tuple[str, ...] = (job.spec.python, "-m", "ddpd.worker")
     else:
         argv = config.worker_command or (sys.executable, "-m", "ddpd.worker")
-    env = {**base_env(job.spec.environ, identity), "DDPD_JOB_ID": job.id, RDZV_ENV: job.spec.rdzv_id}
+    # not the ranks' DDPD_JOB_ID: the agent outlives each attempt (its own marker names the job)
+    env = {**base_env(job.spec.environ, identity), AGENT_JOB_ENV: job.id, RDZV_ENV: job.spec.rdzv_id}
     return AgentLaunch(argv=argv, env=env, run_as=run_as, state_dir=config.state_dir, subtree=subtree,
                        job_id=job.id, owner_uid=job.owner_uid)
 
