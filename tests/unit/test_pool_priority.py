@@ -4,13 +4,13 @@ normal priority (a real process at SCHED_IDLE with a second thread)."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 
 import pytest
 
-from ddpd.daemon.pool.pool import normal_priority, pool_state
-from ddpd.protocol.worker import pool_idle_priority
+from ddpd.daemon.pool.pool import can_idle, pool_state, set_priority
 
 
 @pytest.mark.parametrize(("args", "said"), [
@@ -26,15 +26,15 @@ def test_pool_state_says_why_it_is_cold(args: tuple[int, int, int, bool, bool], 
     assert pool_state(*args) == said
 
 
-def test_a_root_daemon_refills_at_idle_priority() -> None:
-    assert pool_idle_priority(0)
+def test_a_root_daemon_may_move_refills_to_idle_priority_and_back() -> None:
+    assert can_idle() is (os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20)
 
 
-def test_every_thread_of_a_taken_interpreter_gets_normal_priority_back() -> None:
-    """A pool interpreter waits at SCHED_IDLE with threads of its own (its reader, torch's): all of them
-    must run at normal priority once a job takes it, or the job's rank would be starved by anything."""
+def test_every_thread_of_a_refill_moves_between_idle_and_normal_priority() -> None:
+    """A refill runs at SCHED_IDLE beside a job, with threads of its own (its reader, torch's): all of
+    them go back to normal priority once the job ends or a job takes it (or that rank would be
+    starved by anything)."""
     code = ("import os, sys, threading\n"
-            "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
             "threading.Thread(target=sys.stdin.read, daemon=True).start()\n"
             "print('ready', flush=True)\n"
             "sys.stdin.read()\n")
@@ -43,8 +43,10 @@ def test_every_thread_of_a_taken_interpreter_gets_normal_priority_back() -> None
         assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
         tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
         assert len(tids) == 2
+        assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_OTHER}
+        set_priority(proc.pid, idle=True)
         assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE}
-        normal_priority(proc.pid)
+        set_priority(proc.pid, idle=False)
         assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_OTHER}
     finally:
         proc.kill()

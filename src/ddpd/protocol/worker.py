@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import resource
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,14 +35,6 @@ RESERVED_ENV_PREFIXES = ("DDPD_", "TORCHELASTIC_")
 def is_reserved_env(name: str) -> bool:
     """True for a variable the daemon sets for every rank (a job may not set it)."""
     return name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)
-
-
-def pool_idle_priority(daemon_uid: int) -> bool:
-    """Whether a warm-pool interpreter waits at idle CPU priority (SCHED_IDLE, so that importing torch
-    never slows a running job): only where the daemon can give it normal priority back when a job
-    takes it: a root daemon, or an RLIMIT_NICE that allows nice 0 (without CAP_SYS_NICE a thread
-    cannot leave SCHED_IDLE otherwise). Both sides decide with this, the worker from its parent's uid."""
-    return daemon_uid == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
 def attempt_marker(job_id: str, attempt: int, token: str) -> str:

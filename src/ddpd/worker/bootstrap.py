@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from ddpd.protocol.channel import AskStacks, Assign, DumpStacks, Failure, Heartbeat, Hello, Release, Result, Stop
 from ddpd.protocol.framing import PROTOCOL_VERSION
-from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args, pool_idle_priority
+from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
 from .runtime import Channel, Runtime
@@ -60,17 +60,6 @@ def pool_imports() -> None:
     for key in [k for k in os.environ if k not in before]:
         del os.environ[key]
     os.environ.update(before)
-
-
-def wait_at_idle_priority(parent: int) -> None:
-    """A pool interpreter imports torch and waits at SCHED_IDLE (the threads it starts inherit it), so
-    a refill never slows a running job's ranks; the daemon gives every thread normal priority back
-    when a job takes it (`pool_idle_priority` says where it can)."""
-    try:
-        if pool_idle_priority(os.stat(f"/proc/{parent}").st_uid):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:  # no /proc, or a kernel without SCHED_IDLE: a plain refill
-        pass
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
@@ -237,8 +226,6 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
         serve(socket.socket(fileno=args.fd), daemon_pgid)
     watch_dump_signal()
-    if args.pool:
-        wait_at_idle_priority(args.parent)
 
     import torch
 

@@ -28,13 +28,14 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   never returned. None when none is ready (the rank starts cold). Every take wakes the refill,
   which spawns in the background (a task of the pool, not of the attempt). No polling: only
   pidfds, sockets, events and the next expiry's deadline.
-- **Priority**: a refill never slows a running job. Where the daemon can give a thread normal
-  priority back (`pool_idle_priority`: a root daemon), a pool interpreter runs at SCHED_IDLE from
-  its start (and its cgroup, where it has one with the cpu controller, at ``cpu.idle`` 1): refills
-  start at once, as many as there are cores, beside running jobs, and take only the CPU time those
-  leave idle, so the pool is warm again the moment cores free. `take` gives every thread of the
-  interpreter normal priority back before the attempt assigns it (the attempt's cgroup is a normal
-  one). Elsewhere refills start only onto idle cores. `state` says which (``ddpctl daemon``).
+- **Priority**: a refill never slows a running job. Where the daemon may set a thread's policy both
+  ways (`can_idle`: a root daemon), refills start at once, as many as there are cores, and run
+  at SCHED_IDLE (every thread: the daemon sets it; threads started later inherit it) while jobs
+  hold cores, so they take only the CPU time those leave idle, and at normal priority the moment
+  no job runs (each job's start and end wake the pool, which switches them): a box busy with
+  other work still refills. A pool cgroup with the cpu controller also gets ``cpu.idle`` 1 while
+  jobs run. `take` gives every thread normal priority back before the attempt assigns it.
+  Elsewhere refills start only onto idle cores. `state` says which (``ddpctl daemon``).
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -59,7 +61,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ...protocol import FrameError
 from ...protocol.channel import Hello, WorkerMessage
-from ...protocol.worker import pool_idle_priority, worker_args
+from ...protocol.worker import worker_args
 from ..config import Config
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup, Subtree
@@ -114,7 +116,7 @@ class WarmPool:
         self._cores = len(os.sched_getaffinity(0))
         self._names = itertools.count()
         self.busy_ranks = busy_ranks  # CPU-busy ranks of running jobs
-        self.idle_priority = pool_idle_priority(os.geteuid())  # refills at SCHED_IDLE (else: onto idle cores)
+        self.idle_priority = can_idle()  # refills at SCHED_IDLE beside jobs (else: onto idle cores only)
 
     @property
     def contained(self) -> bool:
@@ -148,8 +150,10 @@ class WarmPool:
         return self.size > 0 and (shape.identity is None or self.contained)
 
     def use(self, shape: Shape, ranks: int) -> None:
-        """A job of this shape is starting `ranks` ranks: keep its key warm for the next one."""
+        """A job of this shape is starting `ranks` ranks: keep its key warm for the next one (any job's
+        start wakes the pool: its refills yield the cores)."""
         if not self.serves(shape):
+            self._wake.set()
             return
         self._demand[shape.key] = Demand(shape, ranks, time.monotonic())
         if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
@@ -174,7 +178,7 @@ class WarmPool:
                     end_cgroup(w.cgroup)
                 continue
             assert w.hello is not None
-            normal_priority(w.pid)
+            set_priority(w.pid, idle=False)
             log.info("pool.worker_taken", pid=w.pid, ready=len(ready), uid=key.uid, size=self.size)
             return w
         return None
@@ -195,6 +199,7 @@ class WarmPool:
                          log=str(self.log_path))
                 while True:
                     await self._fill(tg)
+                    self._yield_to_jobs()
                     with anyio.move_on_after(self._sleep()):
                         await self._wake.wait()
                     self._wake = anyio.Event()
@@ -207,6 +212,16 @@ class WarmPool:
         now = time.monotonic()
         times = [t for t in (next_expiry(self._demand, self.idle_expiry), *self._retry_at.values()) if t is not None]
         return max(0.01, min(times, default=now + 86400.0) - now)
+
+    def _yield_to_jobs(self) -> None:
+        """Refills at idle priority while jobs hold cores, at normal priority while none does."""
+        if not self.idle_priority:
+            return
+        busy = self.busy_ranks() > 0
+        for w in self._starting:
+            set_priority(w.pid, idle=busy)
+            if w.cgroup is not None:
+                idle_cgroup(w.cgroup, busy)
 
     def _held(self) -> dict[PoolKey, int]:
         held = {k: len(q) for k, q in self._ready.items() if q}
@@ -243,6 +258,8 @@ class WarmPool:
                     break
                 self._starting.add(new)
                 self._workers.add(new)
+                if self.idle_priority and self.busy_ranks() > 0:  # at once: its threads inherit it
+                    set_priority(new.pid, idle=True)
                 tg.start_soon(self._watch, new)
                 await anyio.lowlevel.checkpoint()  # let a waiting attempt run between spawns
 
@@ -260,8 +277,6 @@ class WarmPool:
             if self.subtree is not None:
                 cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
                                                         f"pool-{os.getpid()}-{next(self._names)}")
-                if self.idle_priority:
-                    await anyio.to_thread.run_sync(idle_cgroup, cgroup)
             log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
         except OSError as exc:
             if cgroup is not None:
@@ -378,28 +393,36 @@ def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: 
     return "cold (refilling)" if starting else "cold"
 
 
-def normal_priority(pid: int) -> None:
-    """Every thread of a taken pool interpreter back to SCHED_OTHER (it waited at SCHED_IDLE); a thread
-    that is gone, or a policy the daemon may not change, is left (logged)."""
+def can_idle() -> bool:
+    """Whether this daemon may move a pool interpreter's threads to SCHED_IDLE and back: root (or
+    CAP_SYS_NICE's stand-in, an RLIMIT_NICE that allows nice 0; without either a thread cannot
+    leave SCHED_IDLE)."""
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def set_priority(pid: int, idle: bool) -> None:
+    """Every thread of a pool interpreter to SCHED_IDLE or back to SCHED_OTHER; a thread that is gone
+    is skipped, a policy the daemon may not change is logged."""
+    policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return
     for tid in tids:
         try:
-            if os.sched_getscheduler(tid) != os.SCHED_OTHER:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            if os.sched_getscheduler(tid) != policy:
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
         except ProcessLookupError:
             continue
         except OSError as exc:
             log.warning("pool.priority_failed", pid=pid, tid=tid, error=str(exc))
 
 
-def idle_cgroup(cgroup: AttemptCgroup) -> None:
-    """``cpu.idle`` 1 for a pool interpreter's cgroup, where the cpu controller gives it one (inside a
+def idle_cgroup(cgroup: AttemptCgroup, idle: bool) -> None:
+    """``cpu.idle`` of a pool interpreter's cgroup, where the cpu controller gives it one (inside a
     cgroup, SCHED_IDLE only ranks a thread against its own cgroup's threads, not the attempts')."""
     try:
-        (cgroup.path / "cpu.idle").write_text("1")
+        (cgroup.path / "cpu.idle").write_text("1" if idle else "0")
     except OSError:
         pass
 
