@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpd.daemon.attempt.rankevents import BURST, CAP, RATE, REJOINS_KEPT, EventBudget, rejoin_kept
+from ddpd.daemon.store.eventbudget import BURST, CAP, RATE, REJOINS_KEPT, EventBudget, rejoin_kept
 
 
 def test_rejoins_are_coalesced_to_powers_of_two() -> None:

@@ -11,7 +11,7 @@ YIELD_EVERY frames, so a flooding rank cannot starve the daemon.
 A script that calls ``init_process_group`` again (destroy and re-init) sends its join phases
 again: a re-join (`is_rejoin`), recorded as an event ``rank.rejoined`` with its count, while the
 rank keeps its state. Re-joins and checkpoints are persisted within a per-rank budget, re-joins
-coalesced, checkpoint paths clipped (`rankevents`): a rank cannot grow the database without bound.
+coalesced, checkpoint paths clipped (`store.eventbudget`): a rank cannot grow the database without bound.
 
 A Stacks frame answers an `AskStacks` the daemon sent (`RankHandle.asked`); an unasked or late
 one is dropped.
@@ -40,10 +40,10 @@ from ..ranklogs.logindex import RankLogs
 from ..run import lifecycle
 from ..run.clock import Clock
 from ..run.outcome import Outcome
+from ..store.eventbudget import PATH_CLIP, EventBudget, rejoin_kept
 from ..store.journal import Journal
 from ..store.records import Job, Rank
 from .deadlines import RankClock
-from .rankevents import PATH_CLIP, EventBudget, rejoin_kept
 
 MAX_STEP = 2**63 - 1  # a step counter SQLite can store
 YIELD_EVERY = 64  # frames read between two checkpoints of the event loop
@@ -249,7 +249,7 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
 
 
 async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: object) -> None:
-    """An event the rank may cause again and again: persisted within its budget (`rankevents`), else live only."""
+    """An event the rank may cause again and again: persisted within its budget (`eventbudget`), else live only."""
     keep = wanted and h.events.admit(now)
     await ctx.journal.event(ctx.job, kind, rank=h.rank.rank, persist=keep, **data)
     if wanted and not keep and h.events.first_refusal:

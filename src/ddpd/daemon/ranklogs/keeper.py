@@ -26,6 +26,7 @@ import anyio.to_thread
 import structlog
 
 from ..contain import files
+from ..store.eventbudget import EventBudget
 from ..store.journal import Journal
 from ..store.records import Job, Rank
 from . import logrotate
@@ -75,6 +76,7 @@ class LogKeeper:
         self._last = -math.inf
         self.looks = 0  # looks taken (a tick's or a rank's last one)
         self.ranks_looked = 0  # ranks looked at in them: what idle ranks must not grow
+        self._budgets: dict[int, EventBudget] = {}  # persisted rotation events per rank (store.eventbudget)
         try:
             self._inotify: Inotify | None = Inotify()
         except OSError as exc:
@@ -179,9 +181,10 @@ class LogKeeper:
             if isinstance(result, OSError):
                 log.warning("rank.log_rotation_failed", job_id=self.job.id, attempt=self.attempt, rank=rank,
                             stream=name, error=str(result))
-            else:
+            else:  # a rank writing without end rotates at every look: kept within its budget, then live only
+                budget = self._budgets.setdefault(rank, EventBudget())
                 await self.journal.event(self.job, "rank.log_rotated", rank=rank, stream=name, kept=result.kept,
-                                         dropped=result.dropped)
+                                         dropped=result.dropped, persist=budget.admit(time.monotonic()))
 
 
 def _tick_each(due: list[Watched], now: float) -> list[tuple[Watched, Done]]:

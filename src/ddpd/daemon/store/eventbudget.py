@@ -1,9 +1,9 @@
-"""How much of what one rank says is kept in the database: rate- and size-bounded events.
+"""How much of what one rank causes is kept in the database: rate- and size-bounded events.
 
-The frames a rank may send repeatedly and that used to become persisted events (its join phases
-again, a `rank.rejoined` each; its checkpoints, a `job.checkpointed` each, with the path it named)
-are bounded per rank, so a rank cannot grow the root daemon's database without bound (events are
-kept for the whole retention):
+The events a rank may cause again and again (its join phases again, a `rank.rejoined` each; its
+checkpoints, a `job.checkpointed` each, with the path it named; its log rotations, a
+`rank.log_rotated` each when it writes without end) are bounded per rank, so a rank cannot grow
+the root daemon's database without bound (events are kept for the whole retention):
 
 - re-joins are coalesced: the first REJOINS_KEPT are persisted, then only each power of two (the
   count is in the event); the others go to live followers only;
