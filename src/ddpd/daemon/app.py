@@ -33,6 +33,7 @@ from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
 from .gpu.gpus import GpuInfo, daemon_devices
 from .logs import configure_logging, parse_level, set_level
+from .multinode.agentproc import sweep_agents
 from .notify import Notifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
@@ -168,6 +169,7 @@ class Daemon:
         set_child_subreaper()
         if subtree is not None:  # interpreter checks a killed daemon left running
             await anyio.to_thread.run_sync(sweep_checks, subtree.jobs)
+            await anyio.to_thread.run_sync(sweep_agents, subtree.jobs)  # and its jobs' rendezvous agents
         gpus = await _gpus(cfg.gpus)
         bus = EventBus()
         journal = Journal(db, bus)

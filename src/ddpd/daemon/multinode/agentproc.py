@@ -186,3 +186,11 @@ def _open_log(launch: AgentLaunch) -> int:
     if launch.run_as is None:
         return procs.open_log(launch.state_dir / AGENT_LOG)
     return create_user_file(launch.state_dir, launch.run_as, name=AGENT_LOG)
+
+
+def sweep_agents(jobs: Path) -> None:
+    """Blocking, at the daemon's start: the cgroups of rendezvous agents a killed run left (their
+    agents died with it, PR_SET_PDEATHSIG; anything they started is killed here)."""
+    for path in jobs.glob("*-rdzv"):
+        if path.is_dir():
+            end_cgroup(AttemptCgroup(path))
