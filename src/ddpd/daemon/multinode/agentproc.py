@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import structlog
 
@@ -45,6 +46,7 @@ AGENT_LOG = "rendezvous.log"
 RDZV_ENV = "DDPD_RDZV"  # the agent's run id, in its environment (how another daemon on this host knows it)
 AGENT_JOB_ENV = "DDPD_RDZV_JOB"  # the job it serves
 CLOSE_WAIT = 5.0
+MAX_STALE = 64  # replies to abandoned requests skipped in one call before the agent is called broken
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,13 @@ class RendezvousAgent:
         async with self._lock:
             with anyio.fail_after(timeout):
                 await self._send(encode(request), fds)
-                while True:
+                for _ in range(MAX_STALE + 1):  # answers to abandoned requests first, a few at most
                     reply = await self._next()
                     if reply.id == request.id:
                         break
+                else:
+                    raise NodeError(f"the rendezvous agent (pid {self.pid}) sent {MAX_STALE} frames that "
+                                    "answer nothing asked")
         if isinstance(reply, AgentError):
             if reply.kind == "timeout":
                 raise TimeoutError(reply.message)
@@ -152,6 +157,7 @@ class RendezvousAgent:
             view = view[sent:]
 
     async def _next(self) -> AgentReply:
+        await anyio.lowlevel.checkpoint()  # an agent that floods its channel cannot starve the loop
         while not self._pending:
             try:
                 data = self.sock.recv(1 << 16)
@@ -171,10 +177,11 @@ class RendezvousAgent:
     async def close(self) -> None:
         """End the agent (its group, its cgroup) and reap it; never raises."""
         self.sock.close()
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc.returncode is None:  # not reaped: its pid (and group) is still the agent's
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         with anyio.move_on_after(CLOSE_WAIT):
             await procs.wait_exit(self.proc)
         if self.cgroup is not None:
