@@ -153,3 +153,20 @@ def test_exited_ranks_have_no_deadlines() -> None:
     clock.advance(1000.0)
     verdict = _at(clock, LIMITS, watch, ranks)
     assert verdict.outcome is None and verdict.next_at is None
+
+
+def test_a_rank_silent_after_its_script_returned_is_stuck_at_exit() -> None:
+    """A rank that said its script returned (phase done) and then fell silent is named as stuck at
+    exit, not as a rank silent in its work."""
+    clock = FakeClock()
+    watch = _watch(clock, script=True)
+    t0 = clock.monotonic()
+    done = RankClock(1, S.TRAINING, last_frame=t0, last_step_change=t0, step=200, finished=True)
+    at_work = RankClock(0, S.TRAINING, last_frame=t0, last_step_change=t0, step=200)
+    clock.advance(10.0)
+    outcome = _at(clock, LIMITS, watch, [done]).outcome
+    assert outcome is not None and outcome.reason == "heartbeat_timeout" and outcome.root_cause is not None
+    assert outcome.root_cause.detail == "rank 1 finished its script, then sent nothing for 10.0s (stuck at exit)"
+    outcome = _at(clock, LIMITS, watch, [at_work]).outcome
+    assert outcome is not None and outcome.root_cause is not None
+    assert outcome.root_cause.detail == "rank 0 sent nothing for 10.0s"
