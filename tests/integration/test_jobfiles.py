@@ -27,8 +27,9 @@ from .test_cli import DDPCTL, TIMEOUT, ddpctl, err, out
 pytestmark = pytest.mark.anyio
 
 # every option of `submit` that goes into the spec, as flags and as the same keys of a job file
-FLAGS = ["--task", "two-layer", "--nproc", "2", "--name", "every-key", "--backend", "gloo", "--device", "cpu",
-         "--gpus-per-rank", "0", "--steps", "3", "--seed", "7", "--join-timeout", "30", "--heartbeat-timeout", "20",
+FLAGS = ["--task", "two-layer", "--nproc", "2", "--oversubscribe", "--name", "every-key", "--backend", "gloo",
+         "--device", "cpu", "--gpus-per-rank", "0", "--steps", "3", "--seed", "7", "--join-timeout", "30",
+         "--heartbeat-timeout", "20",
          "--progress-timeout", "25", "--wall-time", "600", "--kill-grace", "2", "--stop-warning", "5",
          "--max-restarts", "1", "--checkpoint-every", "2", "--priority", "1", "--mem", "512M", "--cpus", "1.5",
          "--log-max", "131072", "--nnodes", "1:2", "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-id", "every-key",
@@ -38,6 +39,7 @@ FLAGS = ["--task", "two-layer", "--nproc", "2", "--name", "every-key", "--backen
 FILE = f"""
 task = "two-layer"
 nproc = 2
+oversubscribe = true
 name = "every-key"
 backend = "gloo"
 device = "cpu"
@@ -86,12 +88,15 @@ args = ["--steps", "1"]
 
 def test_the_every_key_job_file_names_every_submit_option() -> None:
     """A submit option added later must be added to FLAGS and FILE above, or this fails."""
-    keys = {*tomllib.loads(FILE.format(after='after = ["j1"]')), *tomllib.loads(MODULE_FILE.format(after=""))}
+    deps = 'after = ["j1"]\nafter-any = "j1"\nafter_notok = ["j1"]'
+    keys = {*tomllib.loads(FILE.format(after=deps)), *tomllib.loads(MODULE_FILE.format(after=""))}
     covered = {key.replace("-", "_") for key in keys}
     options = {next(o for o in param.opts if o.startswith("--")).lstrip("-").replace("-", "_")
-               for param in submit.params if isinstance(param, click.Option)} - {"file", "idempotency_key", "socket"}
+               for param in submit.params if isinstance(param, click.Option)} - {"file", "idempotency_key", "socket",
+                                                                                  "reconnect"}
     assert options - covered == set()
-    flags = {arg.lstrip("-").replace("-", "_") for arg in FLAGS if arg.startswith("--")} | {"after", "module"}
+    flags = {arg.lstrip("-").replace("-", "_") for arg in FLAGS if arg.startswith("--")} | {
+        "after", "after_any", "after_notok", "module"}
     assert options - flags - {"follow"} == set()
 
 
@@ -147,11 +152,14 @@ async def test_job_files_after_resubmit_prefixes_and_completion(short_tmp: Path)
         spec = ended[3].spec
         assert spec.steps == 9 and spec.env == {"A": "flag"} and spec.name == "every-key"
 
-        # resubmit: a new job with the same spec (it fails the same way)
+        # resubmit: a new job with the same spec; not one whose dependency already failed (it could never run)
         done = await ddpctl(d, "resubmit", by_flags.split("-")[0])
-        assert done.returncode == 0, err(done)
+        assert done.returncode == 2 and f"job {c} already ended CANCELLED" in err(done), err(done)
+        done = await ddpctl(d, "resubmit", "j1")
+        assert done.returncode == 0 and f"resubmitted {a} as" in err(done), err(done)
         again = out(done).strip()
-        assert again not in (by_flags, "") and (await status_json(d, again))["spec"] == flags_view["spec"]
+        assert again not in (a, "") and (await status_json(d, again))["spec"] == (await status_json(d, a))["spec"]
+        await d.client.wait(again)
 
         # b started only after a succeeded: the events' order, not the clock
         done = await ddpctl(d, "wait", b[:3])
