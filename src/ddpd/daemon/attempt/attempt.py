@@ -66,6 +66,8 @@ from .teardown import escalate
 
 log = structlog.get_logger("ddpd")
 
+TIMER_GRAIN = 0.25  # seconds: a deadline is met within this (the timer sleeps as long, unless a frame replans)
+
 __all__ = ["Attempt", "Outcome"]
 
 
@@ -399,8 +401,10 @@ class Attempt:
                 continue
             # sleep until the earliest deadline (re-checked then: a heartbeat may have moved it later),
             # or until a frame starts a new deadline that may come sooner (bug: a 4 s progress timeout
-            # used to wait for the 120 s join deadline the timer had gone to sleep on)
-            wake = max(now + 0.01, verdict.next_at if verdict.next_at is not None else now + 1.0)
+            # used to wait for the 120 s join deadline the timer had gone to sleep on). Not sooner than
+            # TIMER_GRAIN: every heartbeat moves its rank's deadlines, so the earliest one comes due
+            # (and has moved) ranks times a second; each wake checks every rank (ranks squared a second)
+            wake = max(now + TIMER_GRAIN, verdict.next_at if verdict.next_at is not None else now + 1.0)
             await wait_until(self.clock, wake, self._replan.wait)
 
     async def _warn_stop(self, now: float, wall_at: float) -> None:
