@@ -43,7 +43,7 @@ from ..contain.identity import Identity, UnknownUser
 from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
 from ..contain.portfence import PortOwner, daemon_tag
 from ..contain.usertree import open_user_file
-from ..gpu.gpus import rank_defaults
+from ..gpu.rankenv import rank_defaults
 from ..layout import checkpoint_dir, rank_log_name, stderr_log, user_attempt_dir, user_job_dir
 from ..multinode.agentproc import agent_launch
 from ..multinode.multinode import settle, watch_nodes
