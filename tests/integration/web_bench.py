@@ -4,7 +4,8 @@
 
 A real daemon gets a gated job holding both CPU slots, then JOBS (1000) jobs, each submitted and
 cancelled while queued; a real `ddpctl web` then serves each page 15 times and the median and
-worst time of each are printed.
+worst time of each are printed; last, the time a SUCCEEDED takes from the daemon's event to an open
+jobs page's stream, for a new gated job let go once the page showed it RUNNING.
 """
 
 from __future__ import annotations
@@ -60,9 +61,31 @@ async def main(jobs: int) -> None:
                     assert reply.status_code == 200, reply.text
                 print(f"{label:30s} median {statistics.median(times):6.1f} ms  worst {max(times):6.1f} ms  "
                       f"({len(reply.content)} bytes)")
-        gate.touch()
-        with anyio.fail_after(120):
-            await d.client.wait(blocker)
+            await anyio.Path(gate).touch()
+            with anyio.fail_after(120):
+                await d.client.wait(blocker)
+            late = await _state_change_latency(d, http, web.at("/sse/jobs"), base / "gate2")
+            print(f"SUCCEEDED on an open jobs page {late * 1000:.0f} ms after the daemon's event")
+
+
+async def _state_change_latency(d: DaemonProc, http: httpx.AsyncClient, url: str, gate: Path) -> float:
+    """Seconds from a new gated job's SUCCEEDED event (the daemon's clock) to the table saying so on an
+    open jobs page's stream (the gate opens once the stream showed the job RUNNING)."""
+    job_id = await d.client.submit(d.spec(task="tests.scripts.gated:make_task", steps=2, options={"gate": str(gate)}))
+    running = f'id=\\"job-{job_id}\\" data-job=\\"{job_id}\\" data-state=\\"RUNNING\\"'
+    needle = f'id=\\"job-{job_id}\\" data-job=\\"{job_id}\\" data-state=\\"SUCCEEDED\\"'
+    with anyio.fail_after(120):
+        async with http.stream("GET", url) as reply:
+            opened = False
+            async for line in reply.aiter_lines():
+                if running in line and not opened:
+                    opened = True
+                    await anyio.Path(gate).touch()
+                if needle in line:
+                    arrived = time.time()
+                    break
+        event = await d.wait_event(job_id, lambda e: e.kind == "job.state_changed" and e.data.get("to") == "SUCCEEDED")
+    return arrived - event.ts
 
 
 if __name__ == "__main__":

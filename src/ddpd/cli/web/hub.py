@@ -11,13 +11,16 @@ Closing the hub ends every page's stream, so the server can stop without cutting
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import anyio
 
 from ddpd.client import AsyncClient, AsyncStream, EventView, RemoteError
+
+Wanted = Callable[[EventView], bool]
+"""Which events wake a page (the jobs table does not change with a rank's step)."""
 
 RING = 2000  # events kept for pages that fall behind
 RETRY = 1.0  # seconds between tries to follow again after the stream broke
@@ -59,11 +62,19 @@ class Hub:
             return None
         return list(self._ring)[len(self._ring) - behind:] if behind > 0 else []
 
-    async def wait(self, position: int, timeout: float) -> int:
-        """The new position once anything is newer than `position` (or at the timeout, or close)."""
-        if self._count == position and not self.closed:
-            with anyio.move_on_after(timeout):
+    async def wait(self, position: int, timeout: float, wanted: Wanted = lambda event: True) -> int:
+        """The new position once an event `wanted` is newer than `position` (or at the timeout, at
+        close, or when the stream broke or came back)."""
+        with anyio.move_on_after(timeout):
+            while not self.closed:
+                news = self.since(position)
+                if news is None or any(wanted(e) for e in news):
+                    break
+                position = self._count
+                error = self.error
                 await self._changed.wait()
+                if self.error != error:
+                    break
         return self._count
 
     def close(self) -> None:

@@ -12,14 +12,17 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+import anyio
 from markupsafe import escape
 
 from ddpd.client import EventView, LogChunk, LogStream, RemoteError
 
 from . import data, present, sse
 from .context import Web
+from .hub import Wanted
 
 TICK = 1.0  # seconds between refreshes when no event comes
+GAP = 0.2  # seconds between two refreshes of one page at least
 FINAL_TICK = 10.0  # once the job has ended
 EVENTS_SHOWN = 500  # a job's events on its page at most (the newest)
 LOG_TAIL = 200  # lines of each rank a log view starts with
@@ -28,13 +31,15 @@ After = Callable[[], Coroutine[Any, Any, list[bytes]]]
 
 
 async def _refreshing(web: Web, element: str, render: Callable[[], Coroutine[Any, Any, str]],
-                      tick: Callable[[], float] = lambda: TICK, after: After | None = None) -> AsyncIterator[bytes]:
-    """`element` re-rendered on every change of the hub and every tick, sent when it differs; then
-    what `after` adds (a job's new events)."""
+                      tick: Callable[[], float] = lambda: TICK, after: After | None = None,
+                      wanted: Wanted = lambda event: True) -> AsyncIterator[bytes]:
+    """`element` re-rendered on every event `wanted` and every tick, sent when it differs, at most
+    once every GAP seconds; then what `after` adds (a job's new events)."""
     last: str | None = None
     said: str | None = None
     position = web.hub.position
     while not web.hub.closed:
+        began = anyio.current_time()
         try:
             html: str | None = await render()
             banner = web.hub.error or ""
@@ -48,7 +53,13 @@ async def _refreshing(web: Web, element: str, render: Callable[[], Coroutine[Any
             said = banner
         for extra in [] if after is None else await after():
             yield extra
-        position = await web.hub.wait(position, tick())
+        await anyio.sleep(GAP - (anyio.current_time() - began))  # a burst of events: one render
+        position = await web.hub.wait(position, tick(), wanted)
+
+
+def _job_level(event: EventView) -> bool:
+    """An event that may change a row of the jobs table or the daemon's figures (not a rank's step)."""
+    return not event.kind.startswith("rank.")
 
 
 def jobs(web: Web, flt: data.JobFilter) -> AsyncIterator[bytes]:
@@ -57,14 +68,14 @@ def jobs(web: Web, flt: data.JobFilter) -> AsyncIterator[bytes]:
         return web.render("_jobs.html", rows=[present.job_row(j, time.time()) for j in page.jobs],
                           next=page.next, flt=flt, scanned=page.scanned)
 
-    return _refreshing(web, "jobs", render)
+    return _refreshing(web, "jobs", render, wanted=_job_level)
 
 
 def daemon(web: Web) -> AsyncIterator[bytes]:
     async def render() -> str:
         return web.render("_daemon.html", **present.daemon_context(await data.daemon_page(web.client)))
 
-    return _refreshing(web, "daemon", render)
+    return _refreshing(web, "daemon", render, wanted=_job_level)
 
 
 async def job(web: Web, job_id: str) -> AsyncIterator[bytes]:
@@ -90,7 +101,8 @@ async def job(web: Web, job_id: str) -> AsyncIterator[bytes]:
 
     if shown:
         yield sse.append("events", _event_rows(web, shown))
-    async for message in _refreshing(web, "job", render, lambda: FINAL_TICK if final else TICK, events):
+    async for message in _refreshing(web, "job", render, lambda: FINAL_TICK if final else TICK, events,
+                                     lambda event: event.job_id == job_id):
         yield message
 
 
