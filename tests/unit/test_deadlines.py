@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ddpd.daemon.attempt.deadlines import Limits, RankClock, Verdict, Watch, check
 from ddpd.daemon.run.clock import FakeClock
-from ddpd.protocol import JobState, RankState
+from ddpd.daemon.run.outcome import AttemptEnd
+from ddpd.protocol import RankState
 
 LIMITS = Limits(join=30.0, heartbeat=10.0, progress=5.0, heartbeat_interval=1.0, wall=100.0, stop_warning=20.0)
 S = RankState
@@ -32,7 +33,7 @@ def test_join_timeout_fires_at_the_join_deadline_and_names_the_rank_furthest_beh
     assert _at(clock, LIMITS, watch, ranks).outcome is None
     clock.advance(0.001)
     outcome = _at(clock, LIMITS, watch, ranks).outcome
-    assert outcome is not None and outcome.state is JobState.TIMED_OUT and outcome.reason == "join_timeout"
+    assert outcome is not None and outcome.end is AttemptEnd.TIMED_OUT and outcome.reason == "join_timeout"
     assert outcome.hang and outcome.root_cause is not None
     assert outcome.root_cause.rank == 1 and outcome.root_cause.ranks == [1]
     assert "rank 0 waiting in init_process_group" in (outcome.root_cause.detail or "")
@@ -137,7 +138,7 @@ def test_stop_warning_then_wall_time() -> None:
     assert not _at(clock, LIMITS, warned, ranks()).warn
     clock.advance(20.0)
     outcome = _at(clock, LIMITS, warned, ranks()).outcome
-    assert outcome is not None and outcome.state is JobState.TIMED_OUT and outcome.reason == "wall_time"
+    assert outcome is not None and outcome.end is AttemptEnd.TIMED_OUT and outcome.reason == "wall_time"
     assert not outcome.hang
 
 

@@ -5,44 +5,55 @@ from __future__ import annotations
 import pytest
 
 from ddpd.daemon.run import lifecycle
+from ddpd.daemon.run.outcome import AttemptEnd
 from ddpd.protocol import JobState
 
 S = JobState
+E = AttemptEnd
 
 
-def after(outcome: JobState, reason: str = "rank_failed", *, attempt: int = 1, max_restarts: int = 0,
+def after(outcome: AttemptEnd, reason: str = "rank_failed", *, attempt: int = 1, max_restarts: int = 0,
           cancel: bool = False, accepting: bool = True) -> JobState:
     return lifecycle.after_attempt(outcome, reason, attempt=attempt, max_restarts=max_restarts,
                                    cancel_requested=cancel, accepting=accepting)
 
 
-@pytest.mark.parametrize("outcome", [S.FAILED, S.TIMED_OUT])
-def test_failure_restarts_while_restarts_remain(outcome: JobState) -> None:
+@pytest.mark.parametrize(("outcome", "final"), [(E.FAILED, S.FAILED), (E.TIMED_OUT, S.TIMED_OUT)])
+def test_failure_restarts_while_restarts_remain(outcome: AttemptEnd, final: JobState) -> None:
     assert after(outcome, attempt=1, max_restarts=2) is S.RESTARTING
     assert after(outcome, attempt=2, max_restarts=2) is S.RESTARTING
-    assert after(outcome, attempt=3, max_restarts=2) is outcome
+    assert after(outcome, attempt=3, max_restarts=2) is final
 
 
 def test_no_restart_without_max_restarts() -> None:
-    assert after(S.FAILED) is S.FAILED
+    assert after(E.FAILED) is S.FAILED
 
 
 def test_wall_time_never_restarts() -> None:
-    assert after(S.TIMED_OUT, "wall_time", max_restarts=5) is S.TIMED_OUT
+    assert after(E.TIMED_OUT, "wall_time", max_restarts=5) is S.TIMED_OUT
 
 
 def test_cancel_never_restarts() -> None:
-    assert after(S.FAILED, max_restarts=5, cancel=True) is S.FAILED
-    assert after(S.CANCELLED, "cancelled by uid 0", max_restarts=5, cancel=True) is S.CANCELLED
+    assert after(E.FAILED, max_restarts=5, cancel=True) is S.FAILED
+    assert after(E.CANCELLED, "cancelled by uid 0", max_restarts=5, cancel=True) is S.CANCELLED
 
 
 def test_shutdown_requeues_and_blocks_restarts() -> None:
-    assert after(S.QUEUED, "daemon_shutdown", max_restarts=5) is S.QUEUED
-    assert after(S.FAILED, max_restarts=5, accepting=False) is S.FAILED
+    assert after(E.DAEMON_STOPPING, "daemon_shutdown", max_restarts=5) is S.QUEUED
+    assert after(E.FAILED, max_restarts=5, accepting=False) is S.FAILED
+
+
+def test_re_forming_nodes_restart_even_without_restarts_left() -> None:
+    assert after(E.REFORMING, "membership_change", attempt=9, max_restarts=0) is S.RESTARTING
+
+
+def test_every_end_leads_to_a_state() -> None:
+    assert {after(end) for end in AttemptEnd} == {S.SUCCEEDED, S.FAILED, S.TIMED_OUT, S.CANCELLED, S.QUEUED,
+                                                  S.RESTARTING}
 
 
 def test_success_is_final() -> None:
-    assert after(S.SUCCEEDED, "all ranks succeeded", max_restarts=5) is S.SUCCEEDED
+    assert after(E.SUCCEEDED, "all ranks succeeded", max_restarts=5) is S.SUCCEEDED
 
 
 @pytest.mark.parametrize("state", [S.STARTING, S.RUNNING, S.RESTARTING])

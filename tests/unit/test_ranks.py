@@ -9,6 +9,7 @@ from typing import Any, cast
 from ddpd.daemon.attempt.launch import rank_env
 from ddpd.daemon.attempt.ranks import FrameBudget, RankHandle, finished_outcome, rank_succeeded
 from ddpd.daemon.contain.procs import Exit
+from ddpd.daemon.run.outcome import AttemptEnd
 from ddpd.daemon.run.rendezvous import Rendezvous
 from ddpd.daemon.store.records import Job, Rank
 from ddpd.protocol import JobSpec, JobState
@@ -50,16 +51,16 @@ def test_the_attempt_succeeds_once_every_rank_succeeded() -> None:
     ok = [_handle(0, Exit(0, None), Result(steps=5)), _handle(1, Exit(0, None), Result(steps=5))]
     kw: dict[str, Any] = {"cancel_requested": None, "warned": False, "stop_warning_lead": 0.0, "wall": None}
     outcome = finished_outcome(ok, 2, False, 1, **kw)
-    assert outcome is not None and outcome.state is JobState.SUCCEEDED
+    assert outcome is not None and outcome.end is AttemptEnd.SUCCEEDED
     assert finished_outcome(ok[:1], 2, False, 1, **kw) is None  # a rank still running
     no_result = [ok[0], _handle(1, Exit(0, None), None)]
     assert finished_outcome(no_result, 2, False, 1, **kw) is None
     assert finished_outcome(no_result, 2, True, 1, **kw) is not None
     stopped = [_handle(0, Exit(0, None), Result(steps=3, stopped_early=True))]
     outcome = finished_outcome(stopped, 1, False, 1, **{**kw, "cancel_requested": "cancelled by user"})
-    assert outcome is not None and outcome.state is JobState.CANCELLED
+    assert outcome is not None and outcome.end is AttemptEnd.CANCELLED
     outcome = finished_outcome(stopped, 1, False, 1, **{**kw, "warned": True, "wall": 60.0})
-    assert outcome is not None and outcome.state is JobState.TIMED_OUT and outcome.reason == "wall_time"
+    assert outcome is not None and outcome.end is AttemptEnd.TIMED_OUT and outcome.reason == "wall_time"
 
 
 def test_the_daemons_variables_win_over_the_jobs() -> None:

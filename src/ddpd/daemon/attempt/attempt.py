@@ -31,7 +31,7 @@ import anyio.to_thread
 import structlog
 from structlog.contextvars import bound_contextvars
 
-from ...protocol import FrameError, JobState, RankState
+from ...protocol import FrameError, RankState
 from ...protocol.channel import Hello, Release, Stop
 from ...protocol.control import RootCause, StacksResult
 from ...protocol.limits import clip_text
@@ -52,7 +52,7 @@ from ..pool.pool import WarmPool
 from ..ranklogs.keeper import LogKeeper, keep_logs
 from ..ranklogs.workspace import create_logs, live_streams, prepare_dirs
 from ..run.clock import Clock, RealClock, wait_until
-from ..run.outcome import Outcome
+from ..run.outcome import AttemptEnd, Outcome
 from ..run.rendezvous import Rendezvous, RendezvousError, close_rendezvous, hand_over, open_rendezvous
 from ..run.rootcause import Evidence, explain_hang, pick_root_cause
 from ..store.journal import Journal
@@ -139,17 +139,17 @@ class Attempt:
                                 stop_warning_lead=self.limits.stop_warning_lead, wall=self.limits.wall)
 
     def request_cancel(self, reason: str, force: bool) -> None:
-        self.conclude(Outcome(JobState.CANCELLED, reason, graceful=not force))
+        self.conclude(Outcome(AttemptEnd.CANCELLED, reason, graceful=not force))
         if force:
             self.gang.signal_now(signal.SIGKILL)
 
     def request_shutdown(self) -> None:
         """The daemon is stopping: stop at a step boundary (checkpoint) and go back to the queue."""
-        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+        self.conclude(Outcome(AttemptEnd.DAEMON_STOPPING, "daemon_shutdown", graceful=True))
 
     def force(self) -> None:
         """A second stop signal: no more grace."""
-        self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown"))
+        self.conclude(Outcome(AttemptEnd.DAEMON_STOPPING, "daemon_shutdown"))
         self.gang.signal_now(signal.SIGKILL)
 
     # -- the attempt -----------------------------------------------------------------------
@@ -166,7 +166,7 @@ class Attempt:
         try:
             self.identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
         except UnknownUser as exc:
-            return Outcome(JobState.FAILED, "spawn_failed", RootCause(reason="spawn_failed", attempt=self.number,
+            return Outcome(AttemptEnd.FAILED, "spawn_failed", RootCause(reason="spawn_failed", attempt=self.number,
                                                                       detail=str(exc)))
         try:
             if self.nodes is not None:
@@ -175,7 +175,7 @@ class Attempt:
             else:
                 rdzv = await open_rendezvous(self.config.store_host, self.config.port_range, self.port_owner())
         except RendezvousError as exc:
-            return Outcome(JobState.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
+            return Outcome(AttemptEnd.FAILED, "rendezvous", RootCause(reason="rendezvous", detail=str(exc)))
         job.store_port = rdzv.port
         lay = self.layout
         nodes: dict[str, Any] = {} if lay is None else {"node_rank": lay.node_rank, "nnodes": lay.nnodes,
@@ -196,7 +196,7 @@ class Attempt:
                 finally:
                     with anyio.CancelScope(shield=True):
                         if self.outcome is None:  # cancelled from outside: the daemon is stopping
-                            self.conclude(Outcome(JobState.QUEUED, "daemon_shutdown", graceful=True))
+                            self.conclude(Outcome(AttemptEnd.DAEMON_STOPPING, "daemon_shutdown", graceful=True))
                         await self._teardown()
                         tg.cancel_scope.cancel()
         finally:
@@ -215,7 +215,7 @@ class Attempt:
         return outcome
 
     def _finish_outcome(self, outcome: Outcome) -> Outcome:
-        if outcome.state is JobState.FAILED and outcome.root_cause is None:
+        if outcome.end is AttemptEnd.FAILED and outcome.root_cause is None:
             outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
         if outcome.hang and outcome.root_cause is not None:
             outcome.root_cause = explain_hang(outcome.root_cause, self.gang.stack_sites,
@@ -239,7 +239,7 @@ class Attempt:
         try:
             await anyio.to_thread.run_sync(prepare_dirs, self.config.state_dir, self.identity, job.id, self.number)
         except OSError as exc:
-            self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+            self.conclude(Outcome(AttemptEnd.FAILED, "spawn_failed", RootCause(
                 reason="spawn_failed", attempt=self.number, detail=clip_text(f"cannot prepare the attempt: {exc}"))))
             return
         cgroup = await self._create_cgroup()
@@ -277,7 +277,7 @@ class Attempt:
                     for fd in fds:
                         os.close(fd)
             except OSError as exc:
-                self.conclude(Outcome(JobState.FAILED, "spawn_failed", RootCause(
+                self.conclude(Outcome(AttemptEnd.FAILED, "spawn_failed", RootCause(
                     reason="spawn_failed", rank=r, attempt=self.number,
                     detail=clip_text(f"cannot start rank {r}: {exc}"))))
                 return

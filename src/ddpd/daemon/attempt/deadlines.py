@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...protocol import JobState, RankState
+from ...protocol import RankState
 from ...protocol.control import RootCause
-from ..run.outcome import Outcome
+from ..run.outcome import AttemptEnd, Outcome
 
 MISSED_HEARTBEATS = 2  # a rank silent for more than this many intervals is reported (heartbeat_missed)
 
@@ -91,7 +91,7 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
         if r.last_frame is not None:
             at = r.last_frame + limits.heartbeat
             if now >= at:
-                return Verdict(Outcome(JobState.TIMED_OUT, "heartbeat_timeout", RootCause(
+                return Verdict(Outcome(AttemptEnd.TIMED_OUT, "heartbeat_timeout", RootCause(
                     reason="heartbeat_timeout", attempt=watch.number, rank=r.rank, phase=r.state.value,
                     detail=_silent(r, watch, now - r.last_frame)), hang=True))
             deadlines.append(at)
@@ -99,7 +99,7 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
         return Verdict(outcome)
     if watch.wall_at is not None:
         if now >= watch.wall_at:
-            return Verdict(Outcome(JobState.TIMED_OUT, "wall_time", RootCause(
+            return Verdict(Outcome(AttemptEnd.TIMED_OUT, "wall_time", RootCause(
                 reason="wall_time", attempt=watch.number, detail=f"wall time of {limits.wall:.0f}s reached")))
         deadlines.append(watch.wall_at)
     late = MISSED_HEARTBEATS * limits.heartbeat_interval
@@ -150,7 +150,7 @@ def _progress(limits: Limits, watch: Watch, live: list[RankClock], now: float,
     frozen_at = min(r.step for r in overdue)
     overdue += [r for r in stalled if r.step == frozen_at and r not in overdue]
     stuck = [r.rank for r in overdue]
-    return Outcome(JobState.TIMED_OUT, "progress_timeout", RootCause(
+    return Outcome(AttemptEnd.TIMED_OUT, "progress_timeout", RootCause(
         reason="progress_timeout", attempt=watch.number, ranks=stuck, rank=stuck[0], phase=overdue[0].state.value,
         detail=f"step counter of rank(s) {stuck} frozen at {low} for {limit(overdue[0]):.0f}s"), hang=True)
 
@@ -165,7 +165,7 @@ def join_timeout(limits: Limits, watch: Watch, ranks: list[RankClock], pending: 
     if missing:
         parts.append(f"{missing} rank(s) never spawned")
     named = [r.rank for r in culprits]
-    return Outcome(JobState.TIMED_OUT, "join_timeout", RootCause(
+    return Outcome(AttemptEnd.TIMED_OUT, "join_timeout", RootCause(
         reason="join_timeout", attempt=watch.number, ranks=named, rank=named[0] if named else None,
         phase=culprits[0].state.value if culprits else None,
         detail=f"join timeout after {limits.join:.0f}s: " + "; ".join(parts)), hang=True)

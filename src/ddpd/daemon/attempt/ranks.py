@@ -29,7 +29,7 @@ from typing import Protocol
 import anyio
 import anyio.lowlevel
 
-from ...protocol import FrameError, JobState, RankState, TransitionError
+from ...protocol import FrameError, RankState, TransitionError
 from ...protocol.channel import Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result, Stacks
 from ...protocol.control import RootCause
 from ...protocol.limits import clip_text
@@ -39,7 +39,7 @@ from ..pool.channel import WorkerChannel
 from ..ranklogs.logindex import RankLogs
 from ..run import lifecycle
 from ..run.clock import Clock
-from ..run.outcome import Outcome
+from ..run.outcome import AttemptEnd, Outcome
 from ..store.eventbudget import PATH_CLIP, EventBudget, rejoin_kept
 from ..store.journal import Journal
 from ..store.records import Job, Rank
@@ -171,7 +171,7 @@ async def read_frames(h: RankHandle, ctx: RankContext) -> None:
         message = exc.message if isinstance(exc, FrameError) else f"out-of-order frame: {exc}"
         h.fail(clock.monotonic())
         await ctx.journal.event(job, "rank.protocol_error", rank=rank.rank, message=message)
-        ctx.conclude(Outcome(JobState.FAILED, "protocol_error", RootCause(
+        ctx.conclude(Outcome(AttemptEnd.FAILED, "protocol_error", RootCause(
             reason="protocol_error", rank=rank.rank, attempt=ctx.number, phase=rank.state.value, detail=message)))
     finally:
         h.reader_done.set()
@@ -245,7 +245,7 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                 await journal.event(job, "rank.failed", rank=rank.rank, error=h.failure.error,
                                     message=h.failure.message, phase=h.failure.phase,
                                     traceback=h.failure.traceback)
-            ctx.conclude(Outcome(JobState.FAILED, "rank_failed"))
+            ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))
 
 
 async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: object) -> None:
@@ -278,7 +278,7 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
         if exit_.ok:  # exit 0 without the Result frame: not a success
             cause = RootCause(reason="rank_failed", rank=rank.rank, attempt=ctx.number, exit_code=0,
                               phase=rank.state.value, detail=f"rank {rank.rank} exited 0 without sending its result")
-        ctx.conclude(Outcome(JobState.FAILED, "rank_failed", cause))
+        ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed", cause))
     await ctx.journal.rank_state(ctx.job, rank, RankState.EXITED, "rank.exited",
                                  exit_code=exit_.code, signal=exit_.signal)
     if ok and (outcome := ctx.exit_outcome()) is not None:
@@ -296,11 +296,11 @@ def finished_outcome(handles: list[RankHandle], nproc: int, script: bool, number
         return None
     stopped = any(h.result is not None and h.result.stopped_early for h in handles)
     if stopped and cancel_requested:
-        return Outcome(JobState.CANCELLED, cancel_requested)
+        return Outcome(AttemptEnd.CANCELLED, cancel_requested)
     if stopped and warned:
         step = max(h.rank.step for h in handles)
-        return Outcome(JobState.TIMED_OUT, "wall_time", RootCause(
+        return Outcome(AttemptEnd.TIMED_OUT, "wall_time", RootCause(
             reason="wall_time", attempt=number,
             detail=f"stopped at step {step} on the wall-time warning, {stop_warning_lead:.0f}s "
                    f"before the {wall or 0.0:.0f}s limit"))
-    return Outcome(JobState.SUCCEEDED, "all ranks succeeded")
+    return Outcome(AttemptEnd.SUCCEEDED, "all ranks succeeded")

@@ -19,11 +19,10 @@ from typing import Protocol
 import anyio
 import msgspec
 
-from ...protocol import JobState
 from ...protocol.channel import Failure
 from ...protocol.control import RootCause
 from ..run.clock import Clock
-from ..run.outcome import Outcome
+from ..run.outcome import AttemptEnd, Outcome
 from ..run.rootcause import is_collateral
 from .nodes import NodeSession
 from .nodewatch import Verdict
@@ -41,10 +40,10 @@ class WatchContext(Protocol):
 def verdict_outcome(session: NodeSession, verdict: Verdict, number: int) -> Outcome:
     text = session.describe(verdict)
     if verdict.kind == "waiting":
-        return Outcome(JobState.RESTARTING, "membership_change", RootCause(reason="membership_change",
+        return Outcome(AttemptEnd.REFORMING, "membership_change", RootCause(reason="membership_change",
                                                                            attempt=number, detail=text), graceful=True)
     reason = {"failed": "node_failed", "lost": "node_lost"}.get(verdict.kind, "node_unreachable")
-    return Outcome(JobState.FAILED, reason, RootCause(reason=reason, attempt=number, detail=text))
+    return Outcome(AttemptEnd.FAILED, reason, RootCause(reason=reason, attempt=number, detail=text))
 
 
 async def watch_nodes(session: NodeSession, ctx: WatchContext) -> None:
@@ -73,13 +72,13 @@ async def settle(session: NodeSession, outcome: Outcome, number: int, clock: Clo
     layout = session.layout
     if layout is None:
         return outcome
-    if outcome.state in (JobState.SUCCEEDED, JobState.RESTARTING):
-        await session.publish(_state_name(outcome.state))
+    if outcome.end in (AttemptEnd.SUCCEEDED, AttemptEnd.REFORMING):
+        await session.publish(outcome.end.value)
         return outcome
-    if outcome.state is not JobState.FAILED:  # cancelled, out of wall time, its daemon stopping
-        why = "its daemon is stopping" if outcome.state is JobState.QUEUED else outcome.reason
-        await session.publish(_state_name(outcome.state), failure=f"node {layout.node_rank} (host {session.address}) "
-                                                                  f"{_state_name(outcome.state)}: {why}")
+    if outcome.end is not AttemptEnd.FAILED:  # cancelled, out of wall time, its daemon stopping
+        why = "its daemon is stopping" if outcome.end is AttemptEnd.DAEMON_STOPPING else outcome.reason
+        await session.publish(outcome.end.value, failure=f"node {layout.node_rank} (host {session.address}) "
+                                                         f"{outcome.end.value}: {why}")
         return outcome
     if outcome.reason in NODE_REASONS:
         await session.publish("failed")
@@ -100,7 +99,3 @@ async def settle(session: NodeSession, outcome: Outcome, number: int, clock: Clo
     if cause is not None:
         outcome.root_cause = msgspec.structs.replace(cause, detail=text)
     return outcome
-
-
-def _state_name(state: JobState) -> str:
-    return "stopped" if state is JobState.QUEUED else state.value.lower()

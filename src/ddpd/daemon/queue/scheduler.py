@@ -301,7 +301,7 @@ class Scheduler:
             outcome = await attempt.run()
             job.root_cause = outcome.root_cause
             free = 0 if nodes is None else nodes.membership_changes  # re-forms for joining nodes: not restarts
-            new = lifecycle.after_attempt(outcome.state, outcome.reason, attempt=job.attempt - free,
+            new = lifecycle.after_attempt(outcome.end, outcome.reason, attempt=job.attempt - free,
                                           max_restarts=job.spec.max_restarts,
                                           cancel_requested=job.cancel_requested is not None,
                                           accepting=self.accepting)

@@ -7,27 +7,39 @@ checks each transition against `protocol.states`); nothing here does I/O or read
 
 from __future__ import annotations
 
+from typing import assert_never
+
 from ...protocol import JobState
+from .outcome import AttemptEnd
 
 ACTIVE = frozenset({JobState.STARTING, JobState.RUNNING, JobState.RESTARTING})
-RETRYABLE = frozenset({JobState.FAILED, JobState.TIMED_OUT})
 
 
-def after_attempt(outcome: JobState, reason: str, *, attempt: int, max_restarts: int, cancel_requested: bool,
+def after_attempt(end: AttemptEnd, reason: str, *, attempt: int, max_restarts: int, cancel_requested: bool,
                   accepting: bool) -> JobState:
-    """The job's next state once attempt number `attempt` (1-based) ended with `outcome`.
+    """The job's next state once attempt number `attempt` (1-based) ended as `end`; every end has its
+    state here (mypy checks the match is exhaustive).
 
-    QUEUED (the daemon is shutting down) goes back to the queue. A failure or timeout restarts while
-    restarts remain, unless it ran out of wall time (counted from the first start), was cancelled, or
-    the daemon stops taking work; anything else is final as the attempt ended.
+    A daemon stopping sends the job back to the queue; re-forming nodes restart it. A failure or
+    timeout restarts while restarts remain, unless it ran out of wall time (counted from the first
+    start), was cancelled, or the daemon stops taking work; anything else is final as it ended.
     """
-    if outcome is JobState.QUEUED:
-        return JobState.QUEUED
-    restarts_used = attempt - 1
-    if (outcome in RETRYABLE and restarts_used < max_restarts and reason != "wall_time"
-            and not cancel_requested and accepting):
-        return JobState.RESTARTING
-    return outcome
+    match end:
+        case AttemptEnd.DAEMON_STOPPING:
+            return JobState.QUEUED
+        case AttemptEnd.REFORMING:
+            return JobState.RESTARTING
+        case AttemptEnd.SUCCEEDED:
+            return JobState.SUCCEEDED
+        case AttemptEnd.CANCELLED:
+            return JobState.CANCELLED
+        case AttemptEnd.FAILED | AttemptEnd.TIMED_OUT:
+            restarts_used = attempt - 1
+            if restarts_used < max_restarts and reason != "wall_time" and not cancel_requested and accepting:
+                return JobState.RESTARTING
+            return JobState.FAILED if end is AttemptEnd.FAILED else JobState.TIMED_OUT
+        case _:
+            assert_never(end)
 
 
 def after_daemon_restart(state: JobState, *, attempt: int, max_restarts: int) -> JobState | None:

@@ -1,16 +1,30 @@
-"""How an attempt ended: the job state it leads to, why, and what teardown must do first."""
+"""How an attempt ended, in its own terms (`AttemptEnd`), why, and what teardown must do first.
+
+The job state it leads to is `lifecycle.after_attempt`'s decision, never the attempt's.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from ...protocol import JobState
 from ...protocol.control import RootCause
+
+
+class AttemptEnd(enum.Enum):
+    """How an attempt ended. The values are the names a node publishes to the job's other nodes."""
+
+    SUCCEEDED = "succeeded"  # every rank exited 0
+    FAILED = "failed"  # a rank failed (or the attempt could not start, or a node was lost)
+    TIMED_OUT = "timed_out"  # a deadline passed: join, heartbeat, progress, wall time
+    CANCELLED = "cancelled"  # asked by its owner or root
+    DAEMON_STOPPING = "stopped"  # this daemon is stopping: the job goes back to the queue
+    REFORMING = "restarting"  # a multi-node job's nodes re-form (a node joined or left)
 
 
 @dataclass
 class Outcome:
-    state: JobState
+    end: AttemptEnd
     reason: str
     root_cause: RootCause | None = None
     hang: bool = False  # dump stacks before teardown
