@@ -29,7 +29,7 @@ import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ddpd.daemon.contain.cgroups import probe
+from ddpd.daemon.contain.cgroups import AttemptCgroup, probe
 from ddpd.daemon.contain.identity import SANE_PATH, Identity
 from ddpd.daemon.contain.usertree import ensure_dirs
 from ddpd.protocol import JobSpec, JobState, RemoteError
@@ -354,6 +354,35 @@ async def test_interpreter_checks_are_contained_and_one_users_do_not_hold_anothe
                 await d.client.wait(job_id)
         assert processes_with(f"sleep {tag}") == []  # each ended with its check's cgroup
         assert check_cgroups() == []
+
+
+async def test_a_check_a_killed_daemon_left_is_ended_at_the_next_start(
+    users: tuple[Identity, Identity], public_tmp: Path
+) -> None:
+    """What a check left running when the daemon was killed (its cgroup, a process of the user's in
+    it) is killed and removed when the daemon starts again, before it serves anyone."""
+    ann, _ = users
+    if not probe().usable:
+        pytest.skip("cgroup v2 is not writable here: checks cannot have cgroups of their own")
+    async with shared_box(public_tmp) as d:
+        jobs = Path((await d.wait_log(lambda e: e.get("event") == "cgroup.ready"))["path"])
+    os.makedirs(jobs, exist_ok=True)  # a daemon alone under the root cgroup removed its own at its stop
+    left = AttemptCgroup.create(jobs, f"check-{ann.uid}-1")
+    proc = await anyio.open_process(["sleep", "600"], user=ann.uid, group=ann.gid, extra_groups=[])
+    try:
+        left.add(proc.pid)
+        async with shared_box(public_tmp) as d:
+            with anyio.fail_after(30):
+                await proc.wait()  # killed with its cgroup, at the start
+            assert proc.returncode == -9
+            assert not left.path.exists()
+            await pings(ann, d)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        left.kill(10)
+        left.remove()
 
 
 async def test_orphans_of_a_job_are_reaped(users: tuple[Identity, Identity], public_tmp: Path) -> None:
