@@ -290,8 +290,8 @@ async def test_wait_logs_and_watch_ride_out_a_daemon_restart(short_tmp: Path) ->
     gate, state = short_tmp / "gate", short_tmp / "state"
     async with running_daemon(short_tmp, state_dir=state) as d:
         job_id = await d.client.submit(gated(d, gate))
-        follow_logs = await _spawn(d, "logs", "-f", job_id, "--reconnect", "120")
-        await _read_until(follow_logs, "waiting for gate")
+        follow_logs = await _spawn(d, "logs", "-f", job_id, "--reconnect", "120", "-o", "json")
+        logged = await _read_until(follow_logs, "waiting for gate")
         watch = await _spawn(d, "watch", job_id, "-o", "json")
         await _read_until(watch, '"state":"RUNNING"')
         waiting = await _spawn(d, "wait", job_id)
@@ -305,6 +305,10 @@ async def test_wait_logs_and_watch_ride_out_a_daemon_restart(short_tmp: Path) ->
             rc, rest, errors = await _finish(proc)
             assert rc == 0 and "reconnecting" in errors and "reconnected to ddpd" in errors, errors
             assert "()" not in errors and ": )" not in errors  # bug: watch's reason was empty
+            logged += rest if proc is follow_logs else ""
         assert json.loads(rest.splitlines()[-1])["state"] == "SUCCEEDED"
+        chunks = [json.loads(line) for line in logged.splitlines()]  # on where it stood, nothing twice
+        assert sum(c["attempt"] == 1 and "waiting for gate" in c["text"] for c in chunks) == 1, chunks
+        assert any(c["attempt"] == 2 for c in chunks), chunks
         view = await d.client.status(job_id)
         assert view.state == "SUCCEEDED" and view.attempt == 2
