@@ -52,7 +52,6 @@ class Away:
     def __init__(self, socket_path: Path, window: float, exc: RemoteError) -> None:
         self.socket_path = socket_path
         self.window = window
-        self.exc = exc
         self.start = time.monotonic()
         self.delay = BACKOFF_FIRST
         why = exc.reason if isinstance(exc, DaemonUnavailable) else exc.message
@@ -60,7 +59,8 @@ class Away:
              "(--reconnect)", "yellow")
 
     def next_delay(self, exc: BaseException) -> float:
-        """Seconds to wait before the next try; raises the first failure once the window is spent."""
+        """Seconds to wait before the next try; DaemonUnavailable ("still away", exit 3) once the window
+        is spent, and a failure other than the daemon being away as it is."""
         if not gone(exc):
             raise exc
         left = self.window - (time.monotonic() - self.start)
