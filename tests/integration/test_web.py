@@ -274,3 +274,33 @@ def test_the_daemon_page_shows_each_gpu() -> None:
     assert "H100 &lt;80GB&gt;" in html and "3.0 GiB of 80.0 GiB" in html and "97%" in html and "j3-ab12" in html
     assert "? of 80.0 GiB" in html and ">2<" in html and "3 ready" in html and "1 free of 2" in html
     assert "<td>root</td>" in html and ">1.5<" in html
+
+
+async def test_the_hub_wakes_a_page_only_for_what_it_shows() -> None:
+    """A page waits past events it does not want, wakes at one it wants or at close; one that fell out
+    of the ring is told so (it then reads the daemon)."""
+    from ddpd.cli.web.hub import RING, Hub
+    from ddpd.client import AsyncClient, EventView
+
+    hub = Hub(AsyncClient("/nonexistent/ddpd.sock"))
+    hub.add(EventView(seq=1, ts=0.0, kind="job.submitted", job_id="j1"))
+    start = hub.position
+    woken: list[int] = []
+
+    async def page() -> None:
+        woken.append(await hub.wait(start, 60, lambda e: e.kind.startswith("job.")))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(page)
+        await anyio.wait_all_tasks_blocked()
+        hub.add(EventView(seq=0, ts=0.0, kind="rank.progress", job_id="j1"))
+        await anyio.wait_all_tasks_blocked()
+        assert woken == []
+        hub.add(EventView(seq=2, ts=0.0, kind="job.state_changed", job_id="j1"))
+    assert woken == [3] and [e.seq for e in hub.since(start) or []] == [0, 2]
+    for seq in range(RING):
+        hub.add(EventView(seq=seq + 3, ts=0.0, kind="job.x"))
+    assert hub.since(start) is None and hub.since(hub.position) == []
+    with anyio.fail_after(5):
+        hub.close()
+        assert await hub.wait(hub.position, 60) == hub.position

@@ -10,6 +10,7 @@ Closing the hub ends every page's stream, so the server can stop without cutting
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,7 +61,7 @@ class Hub:
         behind = self._count - position
         if behind > len(self._ring):
             return None
-        return list(self._ring)[len(self._ring) - behind:] if behind > 0 else []
+        return list(itertools.islice(self._ring, len(self._ring) - behind, None))
 
     async def wait(self, position: int, timeout: float, wanted: Wanted = lambda event: True) -> int:
         """The new position once an event `wanted` is newer than `position` (or at the timeout, at
