@@ -268,11 +268,11 @@ def test_the_daemon_page_shows_each_gpu() -> None:
                     jobs=["j3-ab12"]),
             GpuView(index=1, name="H100", memory_total=80 << 30, memory_used=None, other_processes=2)]
     info = DaemonInfo(version="0", protocol=1, pid=1, uptime=5.0, socket="/s", state_dir="/d", running=1, queued=2,
-                      cpu_slots=8, gpus=2, free_gpus=1, pool_ready=3, gpu_devices=gpus)
+                      cpu_slots=8, gpus=2, free_gpus=1, pool_ready=3, pool_state="warm (3 ready)", gpu_devices=gpus)
     page = DaemonPage(info, (1.0, 0.5, 0.25), 8, [UserQueue(0, queued=2, running=1, ranks=6, gpus=1.5)])
     html = environment().get_template("_daemon.html").render(**daemon_context(page))
     assert "H100 &lt;80GB&gt;" in html and "3.0 GiB of 80.0 GiB" in html and "97%" in html and "j3-ab12" in html
-    assert "? of 80.0 GiB" in html and ">2<" in html and "3 ready" in html and "1 free of 2" in html
+    assert "? of 80.0 GiB" in html and ">2<" in html and "warm (3 ready)" in html and "1 free of 2" in html
     assert "<td>root</td>" in html and ">1.5<" in html
 
 
