@@ -281,11 +281,8 @@ class Attempt:
                     reason="spawn_failed", rank=r, attempt=self.number,
                     detail=clip_text(f"cannot start rank {r}: {exc}"))))
                 return
-            first = self.gang.pgid is None
-            if first:
-                self.gang.pgid = h.rank.pgid
+            first = self.gang.add(h)
             job.ranks.append(h.rank)
-            self.handles.append(h)
             await self.journal.save_rank(job, h.rank)
             await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=self.gang.pgid,
                                      log=str(log_path), **({"pooled": True} if h.pooled else {}))
@@ -305,7 +302,7 @@ class Attempt:
         except OSError as exc:
             self.log.warning("cgroup.attempt_failed", error=str(exc))
             return None
-        self.gang.cgroup = cg
+        self.gang.contain_in(cg)
         return str(cg.path)
 
     def _launcher_for(self, rdzv: Rendezvous) -> Launcher:

@@ -45,6 +45,18 @@ class RankGang:
         self.stack_sites: dict[int, StackSite] = {}  # rank -> where its main thread hung (from its dump)
         self.reason = ""
 
+    def contain_in(self, cgroup: AttemptCgroup) -> None:
+        """The attempt's cgroup, once made: teardown kills what is left in it."""
+        self.cgroup = cgroup
+
+    def add(self, h: RankHandle) -> bool:
+        """A started rank joins the gang; True for the first, whose process group is the attempt's."""
+        first = self.pgid is None
+        if first:
+            self.pgid = h.rank.pgid
+        self.handles.append(h)
+        return first
+
     def live(self) -> list[RankHandle]:
         return [h for h in self.handles if not h.exited.is_set()]
 
