@@ -22,16 +22,18 @@ reaping in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import anyio
 import anyio.to_thread
 import structlog
+from anyio.streams.memory import MemoryObjectSendStream
 
 log = structlog.get_logger("ddpd")
 
@@ -79,10 +81,10 @@ def children() -> set[int]:
 
 
 def _inherited_zombie(pid: int, own_group: int) -> bool:
-    info = _stat(pid)
-    if info is None or info[0] != "Z" or info[2] == own_group:
+    if pid in _known:  # alive with its start time, checked just before under the same lock
         return False
-    return _known.get(pid) != info[3]
+    info = _stat(pid)
+    return info is not None and info[0] == "Z" and info[2] != own_group
 
 
 def reap_inherited() -> list[int]:
@@ -107,11 +109,21 @@ def reap_inherited() -> list[int]:
 
 
 async def reap_forever() -> None:
-    """Reap inherited zombies at start and on every SIGCHLD, until cancelled."""
-    with anyio.open_signal_receiver(signal.SIGCHLD) as signals:
-        await _reap()
-        async for _ in signals:
+    """Reap inherited zombies at start and after SIGCHLD, until cancelled. Signals that arrive during
+    a pass ask for one more pass, not one each (a job's hundred orphans dying at once)."""
+    send, receive = anyio.create_memory_object_stream[None](1)
+    with anyio.open_signal_receiver(signal.SIGCHLD) as signals, send, receive:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_ask, signals, send)
             await _reap()
+            async for _ in receive:
+                await _reap()
+
+
+async def _ask(signals: AsyncIterator[int], send: MemoryObjectSendStream[None]) -> None:
+    async for _ in signals:
+        with contextlib.suppress(anyio.WouldBlock):  # a pass is asked for already
+            send.send_nowait(None)
 
 
 async def _reap() -> None:
