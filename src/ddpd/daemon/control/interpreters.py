@@ -109,7 +109,10 @@ class InterpreterChecks:
         cgroup = None
         if self._subtree is not None:
             name = f"{CHECK_PREFIX}{identity.uid}-{next(self._serial)}"
-            cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self._subtree.jobs, name)
+            try:
+                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self._subtree.jobs, name)
+            except OSError as exc:  # the check still runs, in its process group only
+                log.warning("interpreter_check.cgroup_unavailable", uid=identity.uid, error=str(exc))
         try:
             return await anyio.to_thread.run_sync(check_interpreter, identity, python, env, timeout, None,
                                                   None if cgroup is None else cgroup.add, limiter=self._limiter)
