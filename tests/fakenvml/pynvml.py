@@ -8,8 +8,14 @@ GPU, or leaves it) by rewriting it (`write_state`). The file's shape::
                "memory_used": 0, "utilization": 0,
                "processes": [{"pid": 123, "memory": 1048576}],
                "mig": [{"uuid": "MIG-...", "memory_total": ..., "memory_used": ..., "processes": [...]}],
-               "fail": ["memory", "utilization", "compute", "graphics", "handle"]}],
+               "fail": ["memory", "utilization", "compute", "graphics", "handle", "events"]}],
+     "events": [{"gpu": 1, "type": "xid", "xid": 79}, {"gpu": 0, "type": "ecc_double"}],
      "init_error": null}
+
+``utilization`` may be a list, a series: each call returns the next value (per process), the last
+one kept once the series is spent. ``events`` are what ``nvmlEventSetWait`` delivers, in order,
+to every event set on which the event's GPU was registered (`add_event` appends one); a wait with
+none pending polls the file until its timeout and raises ``NVMLError_Timeout``.
 
 ``fail`` makes that query of that GPU raise NVMLError (one failing device or query). Each
 ``nvmlInit`` appends a line to ``<FAKE_NVML>.init`` (a test counts them). Only the calls ddpd
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,8 +35,24 @@ NVML_DEVICE_MIG_ENABLE = 1
 NVML_DEVICE_MIG_DISABLE = 0
 
 
+NVML_ERROR_TIMEOUT = 10
+nvmlEventTypeSingleBitEccError = 0x1
+nvmlEventTypeDoubleBitEccError = 0x2
+nvmlEventTypePState = 0x4
+nvmlEventTypeXidCriticalError = 0x8
+_EVENT_TYPES = {"ecc_single": nvmlEventTypeSingleBitEccError, "ecc_double": nvmlEventTypeDoubleBitEccError,
+                "xid": nvmlEventTypeXidCriticalError}
+_series: dict[int, int] = {}  # GPU index -> the utilisation calls answered (a series' position)
+
+
 class NVMLError(Exception):
-    """As pynvml's: every NVML failure."""
+    """As pynvml's: every NVML failure (`value` its NVML return code)."""
+
+    value = 999
+
+
+class NVMLError_Timeout(NVMLError):  # pynvml's name
+    value = NVML_ERROR_TIMEOUT
 
 
 def _state() -> dict[str, Any]:
@@ -106,9 +129,14 @@ def nvmlDeviceGetMemoryInfo(handle: Any) -> Any:
 def nvmlDeviceGetUtilizationRates(handle: Any) -> Any:
     gpu = _gpu(handle)
     _check(gpu, "utilization")
-    if gpu.get("utilization") is None:
+    value = gpu.get("utilization")
+    if value is None:
         raise NVMLError("Not Supported")
-    return SimpleNamespace(gpu=int(gpu["utilization"]), memory=0)
+    if isinstance(value, list):  # a series: the next value on each call, then the last one
+        n = _series.get(handle.index, 0)
+        _series[handle.index] = n + 1
+        value = value[min(n, len(value) - 1)]
+    return SimpleNamespace(gpu=int(value), memory=0)
 
 
 def _processes(handle: Any, query: str) -> list[Any]:
@@ -141,3 +169,47 @@ def nvmlDeviceGetMigDeviceHandleByIndex(handle: Any, index: int) -> Any:
     if not 0 <= index < len(migs):
         raise NVMLError("Not Found")
     return SimpleNamespace(index=handle.index, mig=index)
+
+
+def add_event(path: Path, gpu: int, kind: str = "xid", xid: int = 0) -> None:
+    """Append an event (``xid``, ``ecc_double``, ``ecc_single``) on GPU `gpu` to the state file."""
+    state = json.loads(path.read_text())
+    state.setdefault("events", []).append({"gpu": gpu, "type": kind, "xid": xid})
+    write_state(path, state)
+
+
+def nvmlEventSetCreate() -> Any:
+    return SimpleNamespace(handles={}, delivered=len(_state().get("events", [])))  # only events from now on
+
+
+def nvmlDeviceRegisterEvents(handle: Any, types: int, event_set: Any) -> None:
+    _check(_state()["gpus"][handle.index], "events")
+    event_set.handles[handle.index] = (handle, types)
+
+
+def nvmlEventSetFree(event_set: Any) -> None:
+    event_set.handles.clear()
+
+
+def _next_event(event_set: Any) -> Any | None:
+    events = _state().get("events", [])
+    while event_set.delivered < len(events):
+        event = events[event_set.delivered]
+        event_set.delivered += 1
+        kind = _EVENT_TYPES[event.get("type", "xid")]
+        registered = event_set.handles.get(int(event["gpu"]))
+        if registered is not None and registered[1] & kind:
+            return SimpleNamespace(device=registered[0], eventType=kind, eventData=int(event.get("xid", 0)),
+                                   gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+    return None
+
+
+def nvmlEventSetWait(event_set: Any, timeout_ms: int) -> Any:
+    deadline = time.monotonic() + timeout_ms / 1000
+    while True:
+        event = _next_event(event_set)
+        if event is not None:
+            return event
+        if time.monotonic() >= deadline:
+            raise NVMLError_Timeout("Timeout")
+        time.sleep(0.02)  # the stand-in's wait: the driver's is a blocking call

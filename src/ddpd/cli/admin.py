@@ -1,4 +1,4 @@
-"""ddpctl's commands about the daemon and the shell: ping, daemon, whoami, reload, completion."""
+"""ddpctl's commands about the daemon and the shell: ping, daemon, whoami, reload, gpu release, completion."""
 
 from __future__ import annotations
 
@@ -73,6 +73,20 @@ def reload(socket_path: Path | None) -> None:
     """Ask the daemon to reload its configuration."""
     client_for(socket_path).reload()
     note("reloaded")
+
+
+@cli.group()
+def gpu() -> None:
+    """The daemon's GPUs (root and the admin group)."""
+
+
+@gpu.command("release")
+@click.argument("gpu_name", metavar="GPU")
+@socket_option
+def gpu_release(gpu_name: str, socket_path: Path | None) -> None:
+    """Put a quarantined GPU (an Xid, an ECC error) back in service: GPU is its index or UUID."""
+    done = client_for(socket_path).gpu_release(gpu_name)
+    note(f"released {done.gpu} (quarantined for: {done.reason})")
 
 
 @cli.command()

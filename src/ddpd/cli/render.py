@@ -223,6 +223,7 @@ def gpu_line(g: GpuView) -> str:
     others = f" (+{g.other_processes} other process{'es' if g.other_processes > 1 else ''})" \
         if g.other_processes else ""
     draining = f"; draining: {', '.join(g.draining)}" if g.draining else ""
+    draining += f"; QUARANTINED: {g.quarantined}" if g.quarantined else ""
     uuid = f" {g.uuid}" if g.uuid else ""
     return f"{g.name}{uuid}: {memory}{util}; {held}{others}{draining}"
 

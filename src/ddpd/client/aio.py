@@ -31,6 +31,8 @@ from ddpd.protocol.control import (
     DaemonInfoReq,
     Events,
     EventView,
+    GpuRelease,
+    GpuReleaseResult,
     HelloReq,
     Item,
     JobPage,
@@ -361,6 +363,10 @@ class AsyncClient:
 
     async def reload(self) -> None:
         await self._call(lambda i: Reload(id=i))
+
+    async def gpu_release(self, gpu: str) -> GpuReleaseResult:
+        """Lift a GPU's quarantine (root and the admin group): `gpu` is its NVML index or UUID."""
+        return convert(await self._call(lambda i: GpuRelease(id=i, gpu=gpu)), GpuReleaseResult)
 
     async def whoami(self) -> WhoAmI:
         """Who the daemon takes this client for: uid, name, groups and rights (see WhoAmI)."""

@@ -22,6 +22,7 @@ from ddpd.protocol.control import (
     CurveResult,
     DaemonInfo,
     EventView,
+    GpuReleaseResult,
     JobPage,
     JobView,
     LogChunk,
@@ -255,6 +256,9 @@ class Client:
 
     def reload(self) -> None:
         _once(self.aio.reload)
+
+    def gpu_release(self, gpu: str) -> GpuReleaseResult:
+        return _once(lambda: self.aio.gpu_release(gpu))
 
     def whoami(self) -> WhoAmI:
         return _once(self.aio.whoami)

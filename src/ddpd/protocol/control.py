@@ -131,8 +131,15 @@ class WhoAmIReq(_Req, tag="whoami"):
     """Who the daemon takes the caller for: its uid (SO_PEERCRED), name, groups and rights (WhoAmI)."""
 
 
+class GpuRelease(_Req, tag="gpu_release"):
+    """Lift a GPU's quarantine (root and the admin group only): `gpu` is its NVML index (``3``,
+    ``3/mig1``) or its UUID (or a unique prefix of it)."""
+
+    gpu: Annotated[str, msgspec.Meta(min_length=1, max_length=96)]
+
+
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload | StacksReq | CurveReq | Resubmit | WhoAmIReq)
+           | Reload | StacksReq | CurveReq | Resubmit | WhoAmIReq | GpuRelease)
 OPS: frozenset[str] = frozenset(str(kind.__struct_config__.tag) for kind in get_args(Request))
 """Every op a request may name: the tags of the `Request` union, so no op is known without its type."""
 
@@ -227,6 +234,7 @@ class GpuView(msgspec.Struct, omit_defaults=True):
     mig: int | None = None  # the MIG device's index within GPU `index`
     held: float = 0.0  # the fraction of it running jobs hold (fractional gpus_per_rank pack onto one GPU)
     draining: list[str] = msgspec.field(default_factory=list)  # ended jobs whose ranks may still hold it
+    quarantined: str | None = None  # why no job is placed on it ("Xid 79, fell off the bus") until released
 
 
 class RankView(msgspec.Struct, omit_defaults=False):
@@ -335,6 +343,14 @@ class DaemonInfo(msgspec.Struct):
     pool_state: str | None = None  # the warm pool in words: "warm (2 ready)", "cold (busy)", "off"
     gpu_devices: list[GpuView] = msgspec.field(default_factory=list)
     gpu_note: str | None = None  # why gpu_devices is empty on a daemon with GPUs (NVML unavailable...)
+
+
+class GpuReleaseResult(msgspec.Struct):
+    """What `gpu release` lifted: the GPU ("GPU 3 (GPU-...)") and why it had been quarantined."""
+
+    gpu: str
+    reason: str
+    since: float
 
 
 class WhoAmI(msgspec.Struct):

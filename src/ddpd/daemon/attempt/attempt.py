@@ -143,6 +143,12 @@ class Attempt:
         if force:
             self.gang.signal_now(signal.SIGKILL)
 
+    def gpu_fault(self, detail: str) -> None:
+        """A GPU the attempt holds was quarantined (queue.gpuhealth): the attempt fails with it as the
+        root cause ("GPU 3 (GPU-...): Xid 79, fell off the bus"); its ranks are torn down."""
+        self.conclude(Outcome(AttemptEnd.FAILED, "gpu_fault", RootCause(reason="gpu_fault", attempt=self.number,
+                                                                        detail=detail)))
+
     def request_shutdown(self) -> None:
         """The daemon is stopping: stop at a step boundary (checkpoint) and go back to the queue."""
         self.conclude(Outcome(AttemptEnd.DAEMON_STOPPING, "daemon_shutdown", graceful=True))

@@ -35,6 +35,8 @@ from ...protocol.control import (
     DaemonInfoReq,
     Events,
     EventView,
+    GpuRelease,
+    GpuReleaseResult,
     HelloReq,
     JobPage,
     JobView,
@@ -129,6 +131,8 @@ def route(ctx: Context, req: Request, uid: int) -> Answer:
             return reload(ctx, uid)
         case WhoAmIReq():
             return whoami(ctx, uid)
+        case GpuRelease():
+            return gpu_release(ctx, req, uid)
         case _:
             assert_never(req)
 
@@ -266,6 +270,14 @@ async def whoami(ctx: Context, uid: int) -> WhoAmI:
     return WhoAmI(uid=uid, name=None if viewer is None else viewer.name, groups=groups, admin_group=cfg.admin_group,
                   detail_of_all=detail_rule(uid, viewer, admin)(-1),  # -1: no one's uid, so anyone's job
                   may_reload=may_reload(uid), submit_refusal=check_serves(os.geteuid(), uid, cfg.allow_root_jobs))
+
+
+async def gpu_release(ctx: Context, req: GpuRelease, uid: int) -> GpuReleaseResult:
+    """Lift a GPU's quarantine (queue.gpuhealth): root, the daemon's user and the admin group only."""
+    if not (may_reload(uid) or (await _detail(ctx, uid))(-1)):  # -1: anyone's: an admin
+        raise ForbiddenError("only root and the admin group may release a quarantined GPU")
+    record = await ctx.scheduler.health.release(req.gpu, uid)
+    return GpuReleaseResult(gpu=record.label, reason=record.reason, since=record.at)
 
 
 # -- shared steps ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ ddpd_rank_heartbeat_age_seconds / ddpd_rank_step / ddpd_rank_resident_memory_byt
 ddpd_rank_cpu_seconds_total {job_id,attempt,rank}, ddpd_job_step / ddpd_job_loss /
 ddpd_job_steps_per_second {job_id}, ddpd_cpu_slots{kind}, ddpd_gpus{kind}, ddpd_gpu_memory_used_bytes /
 ddpd_gpu_memory_total_bytes / ddpd_gpu_utilization_percent {gpu,uuid}, ddpd_gpu_job{gpu,job_id},
+ddpd_gpu_quarantined{gpu,uuid,reason},
 ddpd_launch_seconds, ddpd_teardown_seconds, ddpd_jobs_finished_total{state}, ddpd_job_restarts_total,
 ddpd_heartbeats_missed_total, ddpd_metrics_ranks_unsampled, process_*, python_info.
 """
@@ -203,6 +204,7 @@ class DaemonCollector(Collector):
         yield from (ranks, age, step, rss, cpu, job_step, job_loss, job_rate)
 
     def _gpus(self) -> Iterator[Metric]:
+        yield self._quarantined()
         if not self.usage.gpus:
             return  # no NVML (or no GPU): no GPU series
         sched = self.metrics.scheduler
@@ -239,3 +241,13 @@ class DaemonCollector(Collector):
             for job_id in (j for j, entries in res.draining.items() if gpu.entry in entries):
                 draining.add_metric([*key, job_id], 1)
         yield from (used, total, util, holder, share, draining)
+
+    def _quarantined(self) -> Metric:
+        """Every quarantined device, from the scheduler (NVML may not answer for a GPU off the bus)."""
+        gauge = _gauge("ddpd_gpu_quarantined", "1 for each GPU held out of service after a fault, until released.",
+                       ["gpu", "uuid", "reason"])
+        res = self.metrics.scheduler.resources
+        for gpu in res.devices:
+            if gpu.entry in res.quarantined:
+                gauge.add_metric([gpu.label, gpu.uuid, res.quarantined[gpu.entry]], 1)
+        return gauge

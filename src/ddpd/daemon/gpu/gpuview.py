@@ -41,6 +41,7 @@ class Devices(Protocol):
 
     devices: list[GpuInfo]
     draining: dict[str, list[str]]
+    quarantined: dict[str, str]
 
     def held_share(self, entry: str) -> float: ...
 
@@ -89,7 +90,8 @@ def gpu_views(infos: list[GpuInfo], running: list[Job], procs: Processes, held: 
         draining = [] if held is None else [j for j, entries in held.draining.items() if g.entry in entries]
         views.append(GpuView(index=g.index, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used,
                              utilization=g.utilization, jobs=jobs, other_processes=others, uuid=g.uuid, mig=g.mig,
-                             held=0.0 if held is None else round(held.held_share(g.entry), 3), draining=draining))
+                             held=0.0 if held is None else round(held.held_share(g.entry), 3), draining=draining,
+                             quarantined=None if held is None else held.quarantined.get(g.entry)))
     return views
 
 

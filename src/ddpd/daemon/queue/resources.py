@@ -7,7 +7,8 @@ the job's devices in rank order (`gpu.layout`), entries repeated where ranks sha
 
 GPUs of an ended job whose ranks may still hold them (a rank reported unkillable, or NVML still
 listing a rank's process) are *draining*: `hold` keeps them off the free list under the job's id
-until `give_back`.
+until `give_back`. A *quarantined* device (gpu.health: an Xid, an ECC error) is never placed on,
+free or not, until an admin releases it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Resources:
         self.devices = unnamed(gpus) if isinstance(gpus, int) else list(gpus)
         self.free_share = {d.entry: GPU_SHARE for d in self.devices}  # thousandths not held
         self.draining: dict[str, list[str]] = {}  # job id -> the entries its dying ranks may hold
+        self.quarantined: dict[str, str] = {}  # entry -> why (queue.gpuhealth keeps it)
         self.total_cpu = cpu_slots
         self.free_cpu = cpu_slots
 
@@ -36,7 +38,7 @@ class Resources:
     @property
     def free_gpus(self) -> list[str]:
         """The devices no job holds any share of."""
-        return [e for e, free in self.free_share.items() if free == GPU_SHARE]
+        return [e for e, free in self.free_share.items() if free == GPU_SHARE and e not in self.quarantined]
 
     def device(self, entry: str) -> GpuInfo | None:
         return next((d for d in self.devices if d.entry == entry), None)
@@ -64,7 +66,8 @@ class Resources:
         """What a job that does not fit now waits for: "needs 2 CPU slots, 1 of 2 free"."""
         gpus, _ = self.need(spec)
         if gpus:
-            return f"needs {gpus:g} GPUs, {len(self.free_gpus)} of {self.total_gpus} free"
+            held = f" ({len(self.quarantined)} quarantined)" if self.quarantined else ""
+            return f"needs {gpus:g} GPUs, {len(self.free_gpus)} of {self.total_gpus} free{held}"
         return f"needs {self.cpu_of(spec)} CPU slots, {max(0, self.free_cpu)} of {self.total_cpu} free"
 
     def cpu_of(self, spec: JobSpec) -> int:
@@ -75,7 +78,7 @@ class Resources:
     def _place(self, spec: JobSpec) -> list[str] | None:
         """Each rank's devices, in rank order, on a copy of the free shares; None where they do not fit."""
         k, share = rank_gpus(spec.gpus_per_rank)
-        free = dict(self.free_share)
+        free = {e: f for e, f in self.free_share.items() if e not in self.quarantined}
         placed: list[str] = []
         for _ in range(spec.nproc):
             fits = sorted((e for e, f in free.items() if f >= share), key=lambda e: free[e] if share < GPU_SHARE else 0)

@@ -37,6 +37,7 @@ from ..store.journal import Journal
 from ..store.records import Job
 from .admission import admit, check_key, check_limits, over_user_gpus
 from .dependencies import Broken, Ready, kinds_of, resolve_after, states_of, verdict
+from .gpuhealth import GpuHealth
 from .leftovers import kill_cgroup, kill_marked
 from .resources import Resources
 from .retention import Retention
@@ -65,6 +66,7 @@ class Scheduler:
         self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
         self.retention = Retention(journal, config.retention, clock)
         self._tg: anyio.abc.TaskGroup | None = None  # run's: where draining GPUs are waited for
+        self.health = GpuHealth(journal, resources, self.attempts, self.running_jobs, self._notify)  # quarantine
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -178,6 +180,8 @@ class Scheduler:
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         tg.start_soon(self.retention.run, self._prune)
         self._tg = tg
+        await self.health.load()  # before the first placement: a quarantined GPU stays out
+        tg.start_soon(self.health.run)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -309,6 +313,9 @@ class Scheduler:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
                 return
             await self.journal.job_state(job, new, outcome.reason, finish=False, root_cause=_rc(outcome))
+            if new is JobState.RESTARTING and self.health.must_move(job.gpus):  # placed again, elsewhere
+                await self.journal.job_state(job, JobState.QUEUED, "gpu_quarantined")
+                return
             if new is JobState.RESTARTING:
                 continue
             await self._ended(job)

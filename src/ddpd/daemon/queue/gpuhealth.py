@@ -1,0 +1,120 @@
+"""The quarantine of faulty GPUs: what the scheduler does with `gpu.health`'s faults.
+
+A critical fault (an Xid of `gpu.health.CRITICAL_XIDS`, a double-bit ECC error, NVML failing on the
+GPU for 30 s) quarantines each of the daemon's devices on that GPU: recorded in the state database
+(`store.quarantine`, so it outlives a restart), kept off placement (`Resources.quarantined`), and
+journalled as ``gpu.quarantined``. Every running job given such a device has its attempt failed
+with a root cause naming the GPU and the fault ("GPU 3 (GPU-5f2e...): Xid 79, fell off the bus");
+the scheduler then restarts it elsewhere, within its restart policy (`must_move`). Any other Xid
+is journalled (``gpu.xid``) and nothing more. Only `release` (an admin's `ddpctl gpu release`)
+lifts a quarantine: it is not the automatic draining of a GPU whose rank is dying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from ..attempt.attempt import Attempt
+from ..gpu.gpus import GpuInfo
+from ..gpu.health import GpuFault, watch_health
+from ..store import quarantine as qstore
+from ..store.errors import NotFoundError
+from ..store.journal import Journal
+from ..store.quarantine import Quarantined
+from ..store.records import Job
+from .resources import Resources
+
+log = structlog.get_logger("ddpd")
+
+
+def gpu_name(device: GpuInfo) -> str:
+    """How a root cause names a device: "GPU 3 (GPU-5f2e...)"."""
+    return f"GPU {device.label} ({device.uuid})" if device.uuid else f"GPU {device.label}"
+
+
+def find_device(devices: list[GpuInfo], name: str) -> GpuInfo | None:
+    """The device `name` names: its NVML index (``3``, ``3/mig1``), its UUID or a unique prefix of it."""
+    name = name.strip()
+    by_label = [d for d in devices if d.label == name]
+    if by_label:
+        return by_label[0] if len(by_label) == 1 else None
+    hits = [d for d in devices if name and d.uuid and d.uuid.startswith(name)]
+    return hits[0] if len(hits) == 1 else None
+
+
+class GpuHealth:
+    """The daemon's quarantine: loaded at start, fed by the GPU watch, released by an admin."""
+
+    def __init__(self, journal: Journal, resources: Resources, attempts: Mapping[str, Attempt],
+                 running: Callable[[], list[Job]], wake: Callable[[], None]) -> None:
+        self.journal = journal
+        self.resources = resources
+        self.attempts = attempts
+        self.running = running
+        self.wake = wake  # the scheduler's: a released GPU may let queued jobs start
+        self.held: dict[str, Quarantined] = {}
+
+    async def load(self) -> None:
+        """The quarantines recorded before this start, for the devices this daemon schedules."""
+        try:
+            stored = await qstore.load(self.journal.db)
+        except Exception:  # an unreadable table: the daemon still serves; the watch quarantines anew
+            log.exception("gpu.quarantine_unreadable")
+            return
+        mine = {d.entry for d in self.resources.devices}
+        self.held = {e: r for e, r in stored.items() if e in mine}
+        self.resources.quarantined.update({e: r.reason for e, r in self.held.items()})
+        for record in self.held.values():
+            log.warning("gpu.still_quarantined", gpu=record.label, reason=record.reason)
+
+    async def run(self) -> None:
+        await watch_health(self.resources.devices, self.fault, self.note)
+
+    async def note(self, notes: list[str]) -> None:
+        await self.journal.event(None, "gpu.unwatched", notes=notes)
+
+    async def fault(self, fault: GpuFault) -> None:
+        devices = [d for d in self.resources.devices if d.index == fault.index and d.source == "nvml"]
+        kind = {"xid": "gpu.xid", "ecc": "gpu.ecc_error", "nvml": "gpu.nvml_failing"}[fault.kind]
+        await self.journal.event(None, kind, gpu=fault.index, uuids=[d.uuid for d in devices], what=fault.what,
+                                 xid=fault.xid, critical=fault.critical)
+        if fault.critical:
+            for device in devices:
+                await self.quarantine(device, fault.what)
+
+    async def quarantine(self, device: GpuInfo, what: str) -> None:
+        """Hold `device` off placement (recorded) and fail the attempts of the jobs on it."""
+        jobs = [j for j in self.running() if device.entry in j.gpus]
+        if device.entry not in self.held:
+            record = await qstore.hold(self.journal.db, device.entry, gpu_name(device), what,
+                                           jobs[0].id if jobs else None)
+            self.held[device.entry] = record
+            self.resources.quarantined[device.entry] = what
+            await self.journal.event(None, "gpu.quarantined", gpu=device.label, uuid=device.uuid, reason=what,
+                                     jobs=[j.id for j in jobs])
+        for job in jobs:
+            attempt = self.attempts.get(job.id)
+            if attempt is not None:
+                attempt.gpu_fault(f"{gpu_name(device)}: {what}")
+
+    def must_move(self, gpus: list[str]) -> bool:
+        """Whether a job given `gpus` holds a quarantined one (its restart must be placed again)."""
+        return any(e in self.resources.quarantined for e in gpus)
+
+    async def release(self, name: str, uid: int) -> Quarantined:
+        """Lift the quarantine of the device `name` names (NotFoundError: none, or not quarantined)."""
+        device = find_device(self.resources.devices, name)
+        if device is None:
+            raise NotFoundError(f"no GPU {name!r} on this daemon (its NVML index or UUID)")
+        record = self.held.get(device.entry)
+        if record is None:
+            raise NotFoundError(f"{gpu_name(device)} is not quarantined")
+        await qstore.release(self.journal.db, device.entry)
+        del self.held[device.entry]
+        self.resources.quarantined.pop(device.entry, None)
+        await self.journal.event(None, "gpu.released", gpu=device.label, uuid=device.uuid, reason=record.reason,
+                                 by_uid=uid)
+        self.wake()
+        return record

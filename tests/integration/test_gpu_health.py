@@ -1,0 +1,107 @@
+"""GPU health on a CPU machine: a real daemon whose NVML is the test stand-in (tests/fakenvml, whose
+event sets deliver the Xid and ECC events a test appends to its file), real CPU ranks.
+
+- an Xid 79 on the GPU a running job holds fails that attempt with a root cause naming the GPU and
+  the Xid, quarantines the GPU, and the job's restart lands on the other GPU;
+- the next job never gets the quarantined GPU (it waits for the healthy one);
+- `ddpctl daemon`, `DaemonInfo` and the metrics show the quarantine and why; an Xid that is the
+  application's own (13) quarantines nothing;
+- another user's `ddpctl gpu release` is refused; the quarantine survives a daemon restart; root
+  releases it (by UUID) and a job needing both GPUs runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.daemon.contain.identity import Identity
+from ddpd.protocol import JobState
+
+from ..conftest import assert_nothing_left
+from ..fakenvml.pynvml import add_event
+from ..scripts.helpers import gated, rank_reports, state_is, wait_waiting_at_gate
+from .test_gpu_placement import UUIDS, _scrape, fake_gpu_daemon, nvml_state, shown
+from .test_identity import as_user
+from .users import public_dir, two_users, user_python_for_tests
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.xdist_group("users"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="another user's refused release needs root (useradd)"),
+]
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[tuple[Identity, Identity]]:
+    with user_python_for_tests(), two_users("ddpdg") as pair:
+        yield pair
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    with public_dir("ddpd-g", 0o755) as path:
+        yield path
+
+
+async def test_an_xid_quarantines_the_gpu_moves_the_job_and_only_an_admin_releases_it(
+        users: tuple[Identity, Identity], public_tmp: Path) -> None:
+    _, bob = users
+    base = public_tmp
+    gate = base / "gate"
+    config = base / "ddpd.toml"
+    config.write_text('socket_mode = "0666"\nmetrics_public = true\n')
+    flags = ("--config", str(config), "--metrics-listen", "127.0.0.1:0")
+    async with fake_gpu_daemon(base, nvml_state(2), *flags) as (d, path):
+        port = next(e for e in d.logs if e.get("event") == "metrics.listening")["port"]
+        job = await d.client.submit(gated(d, gate, gpus_per_rank=1, device="cpu", max_restarts=1))
+        await wait_waiting_at_gate(d, job)
+        first = (await d.client.status(job)).ranks[0].gpus[0].index
+        other = 1 - first
+
+        add_event(path, first, xid=13)  # the application's own fault: said, nothing quarantined
+        said = await d.wait_event(None, lambda e: e.kind == "gpu.xid" and e.data.get("xid") == 13)
+        assert said.data["critical"] is False
+        add_event(path, first, xid=79)
+        held = await d.wait_event(None, lambda e: e.kind == "gpu.quarantined")
+        assert (held.data["gpu"], held.data["uuid"], held.data["jobs"]) == (str(first), UUIDS[first], [job])
+        restart = await d.wait_event(job, state_is("RESTARTING"))
+        assert restart.data["root_cause"] == f"GPU {first} ({UUIDS[first]}): Xid 79, fell off the bus"
+        await d.wait_event(job, lambda e: state_is("RUNNING")(e) and e.attempt == 2)
+        assert (await d.client.status(job)).ranks[0].gpus[0].index == other  # restarted elsewhere
+
+        nxt = await d.client.submit(gated(d, gate, gpus_per_rank=1, device="cpu"))
+        await d.wait_event(None, lambda e: e.kind == "job.submitted" and e.job_id == nxt)
+        waiting = await d.client.status(nxt)
+        assert waiting.state == JobState.QUEUED, waiting.pending  # the quarantined GPU is free, yet not given
+        info = await d.client.daemon_info()
+        assert [g.quarantined for g in info.gpu_devices if g.index == first] == ["Xid 79, fell off the bus"]
+        assert info.free_gpus == 0
+        assert "QUARANTINED: Xid 79, fell off the bus" in await shown(d, "daemon")
+        series = await _scrape(port)
+        assert series[("ddpd_gpu_quarantined", (("gpu", str(first)), ("reason", "Xid 79, fell off the bus"),
+                                                ("uuid", UUIDS[first])))] == 1
+
+        gate.touch()
+        with anyio.fail_after(120):
+            done = [await d.client.wait(j) for j in (job, nxt)]
+        assert [j.state for j in done] == [JobState.SUCCEEDED] * 2
+        assert (await rank_reports(d.client, nxt))[0]["CUDA_VISIBLE_DEVICES"] == UUIDS[other]
+
+        refused = await as_user(bob, d, "gpu", "release", str(first))
+        assert refused.returncode != 0 and "permission_denied" in refused.stderr.decode(), refused.stderr.decode()
+        assert_nothing_left(done)
+
+    async with fake_gpu_daemon(base, nvml_state(2), *flags) as (d, path):  # the same state directory
+        info = await d.client.daemon_info()
+        assert [g.quarantined for g in info.gpu_devices if g.index == first] == ["Xid 79, fell off the bus"]
+        released = await d.client.gpu_release(UUIDS[first][:12])
+        assert (released.gpu, released.reason) == (f"GPU {first} ({UUIDS[first]})", "Xid 79, fell off the bus")
+        assert all(g.quarantined is None for g in (await d.client.daemon_info()).gpu_devices)
+        both = await d.run(d.spec(task="two-layer", nproc=2, steps=2, gpus_per_rank=1, device="cpu"))
+        assert both.state == JobState.SUCCEEDED, both.root_cause
+        assert_nothing_left([both])
