@@ -323,11 +323,6 @@ class Journal:
             job.ranks = by_job.get(job.id, [])
         return jobs
 
-    async def load_ranks(self, job_id: str, attempt: int) -> list[Rank]:
-        rows = await self.db.run(lambda c: c.execute(
-            "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank", (job_id, attempt)).fetchall())
-        return [rank_from_row(r) for r in rows]
-
     async def attempt_tokens(self, job_id: str, attempt: int) -> list[str]:
         """The marker tokens recorded for an attempt (its processes carry DDPD_ATTEMPT=job:attempt:token)."""
         rows = await self.db.run(lambda c: c.execute(
