@@ -74,15 +74,6 @@ def locate_endpoint(host: str, port: int) -> Endpoint:
     return Endpoint(None)
 
 
-def endpoint_address(host: str, port: int) -> str | None:
-    """The endpoint's address when it is one of this machine's and free, else None (a remote
-    endpoint); a taken port is a NodeError naming it."""
-    found = locate_endpoint(host, port)
-    if found.taken:
-        raise NodeError(taken_text(port, str(found.address)))
-    return found.address
-
-
 def taken_text(port: int, address: str, holder: Holder | None = None) -> str:
     why = "" if holder is None else (f" by pid {holder.pid} (uid {holder.uid}), not a ddpd rendezvous of this "
                                      "user for this run id")

@@ -57,9 +57,3 @@ class NodeWatch:
             if now - self.last_change.get(node, self.started) >= self.keep_alive:
                 return Verdict("lost", node=node)
         return None
-
-    def next_check(self, now: float) -> float:
-        """The earliest time a verdict could change without a new reading."""
-        times = [self.last_change.get(n, self.started) + self.keep_alive for n in self.peers]
-        times.append((self.last_answer if self.last_answer is not None else self.started) + self.keep_alive)
-        return max(now, min(times))
