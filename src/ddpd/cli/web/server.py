@@ -17,6 +17,7 @@ import webbrowser
 from pathlib import Path
 
 import anyio
+import anyio.abc
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
@@ -74,7 +75,7 @@ async def run(socket_path: Path | None, port: int, open_browser: bool) -> None:
     signals, opener = anyio.CancelScope(), anyio.CancelScope()
     async with anyio.create_task_group() as tg:
         tg.start_soon(hub.run)
-        tg.start_soon(_on_signal, hub, stop, signals)
+        await tg.start(_on_signal, hub, stop, signals)  # SIGTERM stops it cleanly once the URL is out
         sys.stdout.write(url + "\n")
         sys.stdout.flush()
         if open_browser:  # beside the server: a text-mode browser runs until it is left
@@ -94,8 +95,10 @@ async def _open(url: str, scope: anyio.CancelScope) -> None:
         await anyio.to_thread.run_sync(webbrowser.open, url, abandon_on_cancel=True)
 
 
-async def _on_signal(hub: Hub, stop: anyio.Event, scope: anyio.CancelScope) -> None:
+async def _on_signal(hub: Hub, stop: anyio.Event, scope: anyio.CancelScope,
+                     *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     with scope, anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        task_status.started()
         async for _ in received:
             await hub.aclose()
             stop.set()
