@@ -70,18 +70,19 @@ class Journal:
             if self._flushing:
                 await self._flushed.wait()
             else:
-                await self._flush()
+                await self._flush(op)
         if op.error is not None:  # not a storage failure: a bug in the write, raised to its own caller
             raise op.error
         return op.result
 
-    async def _flush(self) -> None:
-        """Commit the queued writes, batch after batch, until none is left. A batch taken by a writer
-        that is cancelled meanwhile goes back to the head of the queue, for the next writer."""
+    async def _flush(self, mine: _Op) -> None:
+        """Commit the queued writes, batch after batch, until `mine` is done; then the next waiting
+        writer commits what is queued since (no writer is kept committing the others' writes). A
+        batch taken by a writer that is cancelled meanwhile goes back to the head of the queue."""
         self._flushing = True
         batch: list[_Op] = []
         try:
-            while self._queue:
+            while self._queue and not mine.done:
                 batch, self._queue = self._queue, []
                 await self._commit(batch)
                 self.batches += 1
