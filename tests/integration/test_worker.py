@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import select
 import signal
@@ -14,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch.distributed as dist
 
@@ -27,6 +29,7 @@ from ddpd.protocol.channel import (
     Hello,
     PhaseChanged,
     Progress,
+    Release,
     Result,
     Stop,
     WorkerMessage,
@@ -359,3 +362,37 @@ def test_stuck_rank_heartbeats_dumps_stacks_and_dies_with_its_group(spawn: Any) 
     for w in workers:
         w.wait()
     assert "in on_step" in workers[1].log.read_text()
+
+
+class Bound:
+    """The attempt's port bound here, as the daemon binds it: no store on it (rank 0 serves one)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port: int = self.sock.getsockname()[1]
+
+
+def test_rank_0_serves_the_store_on_the_passed_socket_until_released(spawn: Any) -> None:
+    """The listening socket comes with rank 0's Assign (SCM_RIGHTS) and the sender's copy is closed:
+    rank 1 reaches the store rank 0 serves; rank 0 keeps serving after its result until Release."""
+    workers = [spawn(), spawn()]
+    for w in workers:
+        w.until(Hello)
+    bound = Bound()
+    spec = JobSpec(task="two-layer", steps=5, seed=3)
+    first = msgspec.structs.replace(assignment(0, 2, bound, spec), serve_store=True)  # type: ignore[arg-type]
+    rights = array.array("i", [bound.sock.fileno()]).tobytes()
+    workers[0].sock.sendmsg([encode(first)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+    bound.sock.close()
+    workers[1].send(assignment(1, 2, bound, spec, pgid=workers[0].proc.pid))  # type: ignore[arg-type]
+    results = [w.until(Result)[-1] for w in workers]
+    assert isinstance(results[0], Result) and isinstance(results[1], Result)
+    assert results[0].checksum == results[1].checksum
+    assert workers[1].proc.wait(TIMEOUT) == 0
+    assert workers[0].proc.poll() is None  # its result sent, it still serves the store
+    workers[0].send(Release())
+    assert workers[0].proc.wait(TIMEOUT) == 0
+    for w in workers:
+        w.wait()
