@@ -247,10 +247,11 @@ async def test_open_port_taken_and_no_daemon(daemon: DaemonProc, tmp_path: Path)
         port = str(taken.getsockname()[1])
         done = await anyio.run_process([DDPCTL, "--socket", str(daemon.socket), "web", "--port", port], check=False,
                                        stdin=subprocess.DEVNULL)
-    assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr.decode() and not done.stdout
+    assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr.decode(), done
+    assert not done.stdout
     done = await anyio.run_process([DDPCTL, "--socket", str(tmp_path / "none.sock"), "web"], check=False,
                                    stdin=subprocess.DEVNULL)
-    assert done.returncode == 3 and "cannot reach ddpd" in done.stderr.decode() and not done.stdout
+    assert done.returncode == 3 and "cannot reach ddpd" in done.stderr.decode() and not done.stdout, done
 
 
 def _write_script(path: Path, text: str) -> None:

@@ -59,6 +59,16 @@ async def _read_url(proc: Process) -> str:
     raise AssertionError(f"ddpctl web printed no URL: {text!r} {(await proc.stderr.receive()).decode()!r}")
 
 
+async def _rest(proc: Process) -> str:
+    """What the ended server wrote on stderr (for a failure's message)."""
+    assert proc.stderr is not None
+    out = b""
+    with anyio.move_on_after(5):
+        async for data in proc.stderr:
+            out += data
+    return out.decode(errors="replace")[-4000:]
+
+
 @asynccontextmanager
 async def web_server(socket: Path, *args: str, uid: int | None = None,
                      env: dict[str, str] | None = None) -> AsyncIterator[WebServer]:
@@ -86,6 +96,7 @@ async def web_server(socket: Path, *args: str, uid: int | None = None,
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+            errors = await _rest(proc)
             await proc.aclose()
-    assert proc.returncode == 0, f"ddpctl web exited with {proc.returncode}"
+    assert proc.returncode == 0, f"ddpctl web exited with {proc.returncode}: {errors}"
     assert_gone(proc.pid)
