@@ -105,3 +105,34 @@ async def test_an_xid_quarantines_the_gpu_moves_the_job_and_only_an_admin_releas
         both = await d.run(d.spec(task="two-layer", nproc=2, steps=2, gpus_per_rank=1, device="cpu"))
         assert both.state == JobState.SUCCEEDED, both.root_cause
         assert_nothing_left([both])
+
+
+async def test_a_job_whose_gpus_stay_idle_is_warned_then_cancelled_and_status_shows_utilisation(
+        short_tmp: Path) -> None:
+    gate = short_tmp / "gate"
+    config = short_tmp / "ddpd.toml"
+    config.write_text("gpu_sample_interval = 0.2\ngpu_idle_after = 1.5\ngpu_idle_cancel = true\n")
+    state = nvml_state(2)
+    state["gpus"][0]["utilization"], state["gpus"][1]["utilization"] = 40, 0
+    async with fake_gpu_daemon(short_tmp, state, "--config", str(config)) as (d, _):
+        busy = await d.client.submit(gated(d, gate, gpus_per_rank=1, device="cpu"))  # GPU 0: the first free
+        await wait_waiting_at_gate(d, busy)
+        idle = await d.client.submit(gated(d, gate, gpus_per_rank=1, device="cpu"))
+        running = await d.wait_event(idle, state_is("RUNNING"))
+        warned = await d.wait_event(idle, lambda e: e.kind == "job.gpu_idle")
+        assert warned.data["gpus"] == [f"GPU 1 ({UUIDS[1]})"] and warned.data["seconds"] >= 1.5
+        assert warned.ts - running.ts >= 1.5  # not before the configured time
+        with anyio.fail_after(60):
+            ended = await d.client.wait(idle)
+        assert ended.state == JobState.CANCELLED and (ended.reason or "").startswith("gpu_idle"), ended.reason
+        view = await d.client.status(busy)
+        assert view.state == JobState.RUNNING  # its GPU is busy: neither warned nor cancelled
+        assert set(view.ranks[0].gpus[0].utilization) == {40}
+        assert "40/40" in await shown(d, "status", busy)
+        gate.touch()
+        with anyio.fail_after(60):
+            done = await d.client.wait(busy)
+        assert done.state == JobState.SUCCEEDED
+        async with d.client.events(busy) as events:
+            assert not [e async for e in events if e.kind == "job.gpu_idle"]
+        assert_nothing_left([ended, done])

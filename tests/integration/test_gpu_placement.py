@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import pytest
+from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpd.protocol import JobState
@@ -97,7 +98,10 @@ async def test_a_subset_daemon_places_by_uuid_packs_fractions_and_names_gpus_ali
 
         # one name everywhere: NVML index and UUID, in status, `ddpctl daemon` and the metrics
         view = await d.client.status(halves)
-        assert [r.gpus for r in view.ranks] == [[RankGpu(index=2, uuid=UUIDS[2], share=0.5)]] * 2
+        recent = [set(g.utilization) for r in view.ranks for g in r.gpus]
+        assert recent == [{5}, {5}]  # the GPU's utilisation of the last minutes (NVML: 5%), then as placed
+        assert [[replace(g, utilization=[]) for g in r.gpus] for r in view.ranks] == [
+            [RankGpu(index=2, uuid=UUIDS[2], share=0.5)]] * 2
         assert f"2 {UUIDS[2][:12]} x0.5 (-)" in await shown(d, "status", halves)  # the UUID's first 8 hex digits
         info = await d.client.daemon_info()
         assert [(g.index, g.uuid, g.jobs, g.held) for g in info.gpu_devices] == [

@@ -209,7 +209,8 @@ def gpu_name(index: int, mig: int | None, uuid: str, short: bool = False) -> str
 def rank_gpu_text(gpus: list[RankGpu]) -> str:
     """A rank's GPUs: "0 GPU-5d3f0a1b (1.2 GiB)", "0 GPU-5d3f0a1b x0.5 (-)" (- where NVML does not say)."""
     return ", ".join(f"{gpu_name(g.index, g.mig, g.uuid, short=True)}{'' if g.share is None else f' x{g.share:g}'} "
-                     f"({'-' if g.memory_used is None else size_text(g.memory_used)})" for g in gpus)
+                     f"({'-' if g.memory_used is None else size_text(g.memory_used)})"
+                     + (f" {'/'.join(map(str, g.utilization[-6:]))}%" if g.utilization else "") for g in gpus)
 
 
 def gpu_line(g: GpuView) -> str:

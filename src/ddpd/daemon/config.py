@@ -106,6 +106,11 @@ class Config:
     cgroup: str = "auto"  # auto: one cgroup per attempt where cgroup v2 is writable; off: process groups only
     interpreter_check_timeout: float = 60.0  # seconds the submit-time `import torch, ddpd.worker` may take
     interpreter_checks_per_user: int = 2  # of those checks one user may run at once
+    gpu_sample_interval: float = 10.0  # seconds between samples of each GPU's utilisation (NVML)
+    gpu_idle_after: float | None = 3600.0  # a job whose GPUs stay at 0% this long is warned; None: never
+    gpu_idle_cancel: bool = False  # ... and cancelled (reason gpu_idle)
+    notify: str | None = None  # a command run (as the submitter) when any job ends, restarts or is preempted
+    notify_url: str | None = None  # or a URL that gets the same as a JSON POST
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
@@ -177,6 +182,12 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     cgroup: Literal["auto", "off"] | msgspec.UnsetType = msgspec.UNSET
     interpreter_check_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     interpreter_checks_per_user: Annotated[int, msgspec.Meta(ge=1, le=64)] | msgspec.UnsetType = msgspec.UNSET
+    gpu_sample_interval: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] | msgspec.UnsetType = msgspec.UNSET
+    gpu_idle_after: Annotated[float, msgspec.Meta(gt=0, le=30 * DAY)] | msgspec.UnsetType | None = msgspec.UNSET
+    gpu_idle_cancel: bool | msgspec.UnsetType = msgspec.UNSET
+    notify: Text | msgspec.UnsetType | None = msgspec.UNSET
+    notify_url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048, pattern=r"^https?://")] | (
+        msgspec.UnsetType) | None = msgspec.UNSET
     defaults: DefaultsSchema | msgspec.UnsetType = msgspec.UNSET
 
 

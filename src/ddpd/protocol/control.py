@@ -217,6 +217,7 @@ class RankGpu(msgspec.Struct, omit_defaults=True):
     uuid: str = ""  # GPU-... or MIG-...; "" where the daemon knows its GPUs by count only
     mig: int | None = None  # the MIG device's index within GPU `index`
     share: float | None = None  # the fraction of the GPU the rank holds (gpus_per_rank < 1); None: whole
+    utilization: list[int] = msgspec.field(default_factory=list)  # the GPU's % over the last minutes, oldest first
 
 
 class GpuView(msgspec.Struct, omit_defaults=True):

@@ -172,7 +172,7 @@ async def resubmit(ctx: Context, req: Resubmit, uid: int) -> SubmitResult:
 async def status(ctx: Context, req: Status, uid: int) -> JobView:
     job = await _job(ctx, req.job_id)
     view = await with_rank_gpus(positioned(job.view(), ctx.scheduler.queue_positions()), job,
-                                ctx.scheduler.resources)
+                                ctx.scheduler.resources, ctx.scheduler.health.utilization)
     return visible_view(view, await _detail(ctx, uid))
 
 

@@ -18,6 +18,7 @@ torch fallback: that takes seconds, not a status request's milliseconds).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
@@ -30,6 +31,7 @@ from ...protocol.spec import GPU_SHARE, rank_gpus
 from ..store.records import Job
 from .gpus import GpuInfo, GpuProcess, NvmlUnavailable, nvml_discover, processes, visible
 from .layout import own_entries
+from .utilisation import UtilisationLog
 
 NVML_WAIT = 5.0  # seconds a view waits for NVML before it is shown without GPU figures
 T = TypeVar("T")
@@ -144,8 +146,17 @@ def _device_of(entry: str, devices: list[GpuInfo]) -> GpuInfo:
                    memory_used=None, utilization=None, source="config")
 
 
-async def with_rank_gpus(view: JobView, job: Job, held: Devices | None = None) -> JobView:
-    """`view` with each rank's devices, and their memory where NVML answers (a job without GPUs: as is)."""
+def with_utilisation(gpus: list[RankGpu], history: UtilisationLog | None, now: float) -> list[RankGpu]:
+    """Each device's utilisation samples of the last minutes (`history`, the idle watch's)."""
+    if history is None:
+        return gpus
+    return [msgspec.structs.replace(g, utilization=history.recent(g.uuid or str(g.index), now)) for g in gpus]
+
+
+async def with_rank_gpus(view: JobView, job: Job, held: Devices | None = None,
+                         history: UtilisationLog | None = None) -> JobView:
+    """`view` with each rank's devices, their memory where NVML answers and their recent utilisation
+    (a job without GPUs: as is)."""
     if not job.gpus or not view.ranks:
         return view
     devices = [] if held is None else held.devices
@@ -157,7 +168,8 @@ async def with_rank_gpus(view: JobView, job: Job, held: Devices | None = None) -
             procs = await _nvml(lambda: _all_processes([*devices] or [_device_of(e, []) for e in set(job.gpus)]))
         except (NvmlUnavailable, TimeoutError):
             procs = {}
-    ranks = [msgspec.structs.replace(r, gpus=rank_memory(
-        [_device_of(e, devices) for e in own_entries(job.gpus, job.spec, r.rank)], r.pid, procs, devices, fraction))
-        for r in view.ranks]
+    now = time.time()
+    ranks = [msgspec.structs.replace(r, gpus=with_utilisation(rank_memory(
+        [_device_of(e, devices) for e in own_entries(job.gpus, job.spec, r.rank)], r.pid, procs, devices, fraction),
+        None if job.state.final else history, now)) for r in view.ranks]
     return msgspec.structs.replace(view, ranks=ranks)

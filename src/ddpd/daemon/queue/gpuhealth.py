@@ -8,17 +8,28 @@ with a root cause naming the GPU and the fault ("GPU 3 (GPU-5f2e...): Xid 79, fe
 the scheduler then restarts it elsewhere, within its restart policy (`must_move`). Any other Xid
 is journalled (``gpu.xid``) and nothing more. Only `release` (an admin's `ddpctl gpu release`)
 lifts a quarantine: it is not the automatic draining of a GPU whose rank is dying.
+
+The idle watch (`watch_idle`) samples every GPU's utilisation each `gpu_sample_interval` seconds
+(`gpu.utilisation`, off the loop, bounded); a running job all of whose GPUs have stayed at 0% for
+`gpu_idle_after` seconds of this attempt gets one ``job.gpu_idle`` warning (again only after its
+GPUs were busy once more), and is cancelled with reason ``gpu_idle`` where `gpu_idle_cancel` says
+so. A GPU shared by fractions is busy for every job on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 
+import anyio
 import structlog
 
+from ...protocol import JobState
 from ..attempt.attempt import Attempt
+from ..config import Config
 from ..gpu.gpus import GpuInfo
 from ..gpu.health import GpuFault, watch_health
+from ..gpu.utilisation import UtilisationLog, sample_async
 from ..store import quarantine as qstore
 from ..store.errors import NotFoundError
 from ..store.journal import Journal
@@ -48,8 +59,14 @@ class GpuHealth:
     """The daemon's quarantine: loaded at start, fed by the GPU watch, released by an admin."""
 
     def __init__(self, journal: Journal, resources: Resources, attempts: Mapping[str, Attempt],
-                 running: Callable[[], list[Job]], wake: Callable[[], None]) -> None:
+                 running: Callable[[], list[Job]], wake: Callable[[], None], config: Callable[[], Config],
+                 cancel: Callable[[Job, str], Awaitable[None]]) -> None:
         self.journal = journal
+        self.config = config  # the current config (a reload changes the idle settings)
+        self.cancel = cancel
+        self.utilization = UtilisationLog()
+        self._first_seen: dict[tuple[str, int], float] = {}  # (job, attempt) -> its first sample running
+        self._warned: set[tuple[str, int]] = set()
         self.resources = resources
         self.attempts = attempts
         self.running = running
@@ -71,6 +88,42 @@ class GpuHealth:
 
     async def run(self) -> None:
         await watch_health(self.resources.devices, self.fault, self.note)
+
+    async def watch_idle(self) -> None:
+        """Sample the GPUs' utilisation and warn (or cancel) the jobs whose GPUs stay at 0%."""
+        devices = [d for d in self.resources.devices if d.source == "nvml"]
+        if not devices:
+            return
+        while True:
+            cfg = self.config()
+            self.utilization.add(time.time(), await sample_async(devices))
+            await self.check_idle(time.time(), cfg)
+            await anyio.sleep(cfg.gpu_sample_interval)
+
+    async def check_idle(self, now: float, cfg: Config) -> None:
+        running = [j for j in self.running() if j.gpus and j.state is JobState.RUNNING]
+        live = {(j.id, j.attempt) for j in running}
+        self._first_seen = {k: v for k, v in self._first_seen.items() if k in live}
+        self._warned &= live
+        for job in running:
+            key = (job.id, job.attempt)
+            first = self._first_seen.setdefault(key, now)
+            since = [self.utilization.idle_since(e) for e in dict.fromkeys(job.gpus)]
+            if any(s is None for s in since):
+                self._warned.discard(key)  # busy again: a later idle spell is warned anew
+                continue
+            idle = now - max(first, *(s for s in since if s is not None))
+            if cfg.gpu_idle_after is None or idle < cfg.gpu_idle_after or key in self._warned:
+                continue
+            self._warned.add(key)
+            await self._idle(job, idle, cfg)
+
+    async def _idle(self, job: Job, idle: float, cfg: Config) -> None:
+        names = [gpu_name(d) for e in dict.fromkeys(job.gpus) if (d := self.resources.device(e)) is not None]
+        await self.journal.event(job, "job.gpu_idle", gpus=names, seconds=round(idle, 1), after=cfg.gpu_idle_after,
+                                 cancel=cfg.gpu_idle_cancel)
+        if cfg.gpu_idle_cancel:
+            await self.cancel(job, f"gpu_idle: its GPUs were at 0% for {idle:.0f} s")
 
     async def note(self, notes: list[str]) -> None:
         await self.journal.event(None, "gpu.unwatched", notes=notes)

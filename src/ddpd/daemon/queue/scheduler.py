@@ -66,7 +66,8 @@ class Scheduler:
         self._pending_keys: dict[tuple[int, str], anyio.Event] = {}
         self.retention = Retention(journal, config.retention, clock)
         self._tg: anyio.abc.TaskGroup | None = None  # run's: where draining GPUs are waited for
-        self.health = GpuHealth(journal, resources, self.attempts, self.running_jobs, self._notify)  # quarantine
+        self.health = GpuHealth(journal, resources, self.attempts, self.running_jobs, self._notify,
+                                lambda: self.config, lambda job, why: self.cancel(job, why, force=False))
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class Scheduler:
         self._tg = tg
         await self.health.load()  # before the first placement: a quarantined GPU stays out
         tg.start_soon(self.health.run)
+        tg.start_soon(self.health.watch_idle)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
