@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from ...protocol import ErrorCode
-from ..store.errors import DaemonError
+from ..store.errors import DaemonError, NotFoundError
 from ..store.records import Job
 from .table import JobTable
 
@@ -24,8 +24,8 @@ _NUMBER = re.compile(r"^j(\d{1,19})$")
 _ID_TEXT = re.compile(r"^[A-Za-z0-9_.-]+$")  # what an id can hold: anything else names no job
 
 
-class UnknownJobError(DaemonError):
-    code = ErrorCode.NOT_FOUND
+class UnknownJobError(NotFoundError):
+    """No job has that id (or prefix)."""
 
 
 class AmbiguousJobError(DaemonError):
