@@ -19,6 +19,7 @@ Blocking calls (they run ``nft``): call them from a thread.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -47,6 +48,8 @@ def daemon_tag(state_dir: Path) -> str:
 
 
 def _nft(*args: str, script: str | None = None) -> str:
+    if os.geteuid() != 0:  # a per-user daemon: no nft call can succeed (nor cost a process start)
+        raise FenceError("this daemon is not root: it cannot install firewall rules")
     exe = shutil.which("nft")
     if exe is None:
         raise FenceError("nft is not installed (install nftables to fence job ports)")
