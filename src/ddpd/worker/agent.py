@@ -45,6 +45,7 @@ from ddpd.protocol.agent import (
 )
 from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
 from ddpd.protocol.limits import TEXT_LIMIT, clip_text
+from ddpd.protocol.nodes import MAX_NODES
 
 from .runtime import Channel
 
@@ -144,7 +145,7 @@ class Agent:
         waiting = int(self.handler.num_nodes_waiting()) if request.elastic else 0
         return AgentPolled(id=request.id, beats=[read_counter(v) for v in values[:n]],
                            records=[read_record(v) for v in values[n:]], failed=failed or None,
-                           waiting=max(0, min(waiting, n * 1024)))
+                           waiting=max(0, min(waiting, MAX_NODES)))
 
     def publish(self, request: AgentPublish) -> None:
         self.round.set(f"ddpd/node/{request.node_rank}", msgspec.json.encode(request.record))
