@@ -149,7 +149,8 @@ def test_migration_drops_the_attempt_columns_nothing_wrote(tmp_path: Path) -> No
         assert cols == ["job_id", "attempt", "pgid", "store_port", "token", "started_at", "cgroup"]
         rows = db.run_sync(lambda c: c.execute("SELECT job_id, attempt, pgid, token FROM attempts").fetchall())
         assert [tuple(r) for r in rows] == [("j1-abcd", 1, 42, "t")]
-        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == 3
+        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == 4
+        assert db.run_sync(lambda c: c.execute("SELECT count(*) FROM usage").fetchone()[0]) == 0  # added, empty
     finally:
         db.close()
     again = StateDB(path)  # a second start finds nothing to do

@@ -49,7 +49,15 @@ def test_re_forming_nodes_restart_even_without_restarts_left() -> None:
 
 def test_every_end_leads_to_a_state() -> None:
     assert {after(end) for end in AttemptEnd} == {S.SUCCEEDED, S.FAILED, S.TIMED_OUT, S.CANCELLED, S.QUEUED,
-                                                  S.RESTARTING}
+                                                  S.RESTARTING, S.PREEMPTED}
+
+
+def test_a_preempted_job_is_queued_again_without_spending_a_restart() -> None:
+    assert after(E.PREEMPTED, "preempted by j9", attempt=3, max_restarts=0, cancel=True) is S.PREEMPTED
+    assert lifecycle.after_preemption(S.PREEMPTED) is S.QUEUED
+    assert lifecycle.after_preemption(S.RUNNING) is None
+    # a daemon restart between PREEMPTED and QUEUED: queued, whatever restarts are left
+    assert lifecycle.after_daemon_restart(S.PREEMPTED, attempt=5, max_restarts=0) is S.QUEUED
 
 
 def test_success_is_final() -> None:

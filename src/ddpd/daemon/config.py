@@ -93,6 +93,11 @@ class Config:
     max_gpus_per_user: int | None = None  # GPUs one user's running jobs may hold together; None: no limit
     priority_range: tuple[int, int] = (-1000, 1000)  # the band a job's priority must lie in
     max_kill_grace: float = 60.0  # a job's kill_grace at most (keep under the unit's TimeoutStopSec)
+    # fair share and preemption (docs/usage.md, "Sharing the box")
+    fairshare_half_life: float = 7 * 86400.0  # seconds for a user's recorded usage to halve; 0: no decay
+    preemptible_below: int | None = None  # a job of priority below this is preemptible as if --preemptible
+    preempt_min_run: float = 300.0  # seconds a job runs before it may be preempted (again)
+    preempt_scripts: bool = False  # preempt scripts that never call the stop API (ddpd.worker.api.should_stop)
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
     max_connections: int = 256  # control connections open at once
     max_connections_per_user: int = 32  # of them one uid may hold (root and the admin group: a reserve too)
@@ -170,6 +175,10 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     priority_range: tuple[Priority, Priority] | msgspec.UnsetType = msgspec.UNSET
     max_kill_grace: Annotated[float, msgspec.Meta(gt=0, le=DAY)] | msgspec.UnsetType = msgspec.UNSET
     retention: Annotated[float, msgspec.Meta(ge=0, le=100 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
+    fairshare_half_life: Annotated[float, msgspec.Meta(ge=0, le=10 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
+    preemptible_below: Priority | msgspec.UnsetType | None = msgspec.UNSET
+    preempt_min_run: Annotated[float, msgspec.Meta(ge=0, le=365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
+    preempt_scripts: bool | msgspec.UnsetType = msgspec.UNSET
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     max_connections_per_user: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     idle_timeout: Timeout | msgspec.UnsetType = msgspec.UNSET

@@ -87,6 +87,9 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_restarts: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
     checkpoint_every: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 0
     priority: Annotated[int, msgspec.Meta(gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)] = 0
+    # may be stopped (gracefully: agreed step, checkpoint) and requeued for a higher-priority job; on a
+    # script it also says the script honours the stop API (ddpd.worker.api.should_stop)
+    preemptible: bool = False
     options: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_OPTION_KEY)], OptionValue],
                        msgspec.Meta(max_length=MAX_OPTIONS)] = msgspec.field(default_factory=dict)
     # the submitter's interpreter and environment (Slurm's --export); None (an older client): the

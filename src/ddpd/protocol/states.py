@@ -13,6 +13,8 @@ class JobState(enum.StrEnum):
       (SUCCEEDED: a script whose ranks all exit 0 without ever joining, as torchrun counts it)
     RUNNING -> SUCCEEDED | RESTARTING | FAILED | CANCELLED | TIMED_OUT
     RESTARTING -> STARTING | FAILED | CANCELLED
+    STARTING, RUNNING -> PREEMPTED (stopped at an agreed step, checkpointed, for a job of higher priority)
+    PREEMPTED -> QUEUED (to resume from its checkpoint) | CANCELLED
     SUCCEEDED, FAILED, CANCELLED, TIMED_OUT are final.
     Any non-final state may go back to QUEUED when the daemon requeues it on recovery.
     """
@@ -21,6 +23,7 @@ class JobState(enum.StrEnum):
     STARTING = "STARTING"
     RUNNING = "RUNNING"
     RESTARTING = "RESTARTING"
+    PREEMPTED = "PREEMPTED"
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
@@ -37,12 +40,13 @@ _JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED, JobState.FAILED}),
     JobState.STARTING: frozenset(
         {JobState.RUNNING, JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED,
-         JobState.TIMED_OUT, JobState.QUEUED}
+         JobState.TIMED_OUT, JobState.QUEUED, JobState.PREEMPTED}
     ),
     JobState.RUNNING: frozenset(
         {JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED, JobState.TIMED_OUT,
-         JobState.QUEUED}
+         JobState.QUEUED, JobState.PREEMPTED}
     ),
+    JobState.PREEMPTED: frozenset({JobState.QUEUED, JobState.CANCELLED}),
     JobState.RESTARTING: frozenset({JobState.STARTING, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),

@@ -32,11 +32,14 @@ from ..multinode.elastic import NodeError, check_endpoint
 from ..multinode.nodes import NodeSession
 from ..pool.pool import WarmPool
 from ..run import lifecycle
+from ..run.outcome import AttemptEnd
 from ..store.errors import NotRunnableError
 from ..store.journal import Journal
 from ..store.records import Job
-from .admission import admit, check_key, check_limits, over_user_gpus
+from . import decide
+from .admission import admit, check_key, check_limits
 from .dependencies import Broken, Ready, kinds_of, resolve_after, states_of, verdict
+from .fairshare import FairShare
 from .gpuhealth import GpuHealth
 from .leftovers import kill_cgroup, kill_marked
 from .resources import Resources
@@ -68,6 +71,9 @@ class Scheduler:
         self._tg: anyio.abc.TaskGroup | None = None  # run's: where draining GPUs are waited for
         self.health = GpuHealth(journal, resources, self.attempts, self.running_jobs, self._notify,
                                 lambda: self.config, lambda job, why: self.cancel(job, why, force=False))
+        self.share = FairShare(journal, config.fairshare_half_life)  # each user's recent usage (queue.fairshare)
+        self.since: dict[str, float] = {}  # running job id -> when its resources were taken (wall clock)
+        self.preempting: dict[str, str] = {}  # running job id being preempted -> the job it makes room for
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -90,8 +96,14 @@ class Scheduler:
 
     def queue_positions(self) -> dict[str, int]:
         """Each queued job's place in line (1: the next to start), in the order the scheduler admits them."""
-        waiting = (j for j in self.table.queued() if j.id not in self.running)
-        return {j.id: n for n, j in enumerate(waiting, start=1)}
+        waiting = [j for j in self.table.queued() if j.id not in self.running]
+        return {j.id: n for n, j in enumerate(decide.order(waiting, self.fair_factors()), start=1)}
+
+    def fair_factors(self, also: frozenset[int] = frozenset()) -> dict[int, float]:
+        """Each user's fair-share factor now: of the users with jobs queued or running (those that share
+        the box), and of `also`."""
+        usage = {uid: u.total for uid, u in self.share.now(self.clock()).items()}
+        return decide.factors(usage, {j.owner_uid for j in self.unended.values()} | also)
 
     def state_counts(self) -> dict[JobState, int]:
         return self.table.state_counts()
@@ -182,6 +194,7 @@ class Scheduler:
         tg.start_soon(self.retention.run, self._prune)
         self._tg = tg
         await self.health.load()  # before the first placement: a quarantined GPU stays out
+        await self.share.load()
         tg.start_soon(self.health.run)
         tg.start_soon(self.health.watch_idle)
         while True:
@@ -196,29 +209,51 @@ class Scheduler:
             self._admit(tg, queue, blocked)
 
     def _admit(self, tg: anyio.abc.TaskGroup, queue: list[Job], blocked: set[str]) -> None:
-        """Start the queued jobs that may start now, in strict order (the head of the queue is never
-        overtaken), and give every other one its pending reason (`Job.pending`)."""
-        stop: str | None = None  # why no job further down the queue may start
-        for job in queue:
-            job.pending = None
-            if job.state is not JobState.QUEUED:  # (cancelled while deps were read)
-                continue
-            if job.id in blocked:
-                job.pending = f"dependency: waiting for {', '.join(job.waiting_on or dependency_ids(job.spec))}"
-            elif stop is not None:
-                job.pending = stop
-            elif len(self.running) >= self.config.max_running:
-                job.pending = stop = f"limit: {len(self.running)} jobs running (max_running)"
-            elif over_user_gpus(self.config, self.running_jobs(), job):  # its owner's limit: others may pass
-                job.pending = f"user limit: its owner holds the GPUs one user may (max_gpus_per_user " \
-                              f"{self.config.max_gpus_per_user})"
-            elif (gpus := self.resources.take(job.spec)) is None:
-                job.pending = f"resources: {self.resources.shortfall(job.spec)}"
-                stop = f"priority: behind {job.id}, which waits for resources"
-            else:
-                job.gpus = gpus
-                self.running.add(job.id)
-                tg.start_soon(self._run_job, job)
+        """Apply `decide.plan` (priority, fair share, submission; the head is never overtaken): start the
+        jobs that may start now, preempt for the one that may, and give every other one its pending reason
+        (`Job.pending`)."""
+        now = self.clock()
+        self._charge(self.running_jobs(), now)
+        usage = {uid: u.total for uid, u in self.share.now(now).items()}
+        running = [decide.Running(j, self.since.get(j.id, now)) for j in self.running_jobs()]
+        queue = [j for j in queue if j.state is JobState.QUEUED]  # (not cancelled while deps were read)
+        for decision in decide.plan(queue, blocked, running, usage, now, self.resources, self.config,
+                                    set(self.preempting)):
+            match decision:
+                case decide.Start(job=job):
+                    self._start(tg, job, now)
+                case decide.Wait(job=job, reason=reason):
+                    job.pending = reason
+                case decide.Preempt(job=job, victims=victims, reason=reason):
+                    job.pending = reason
+                    for victim in victims:
+                        self._preempt(victim, job)
+
+    def _start(self, tg: anyio.abc.TaskGroup, job: Job, now: float) -> None:
+        gpus = self.resources.take(job.spec)
+        if gpus is None:  # (the plan took from a copy of the same resources: never)
+            job.pending = f"resources: {self.resources.shortfall(job.spec)}"
+            return
+        job.pending = None
+        job.gpus = gpus
+        self.running.add(job.id)
+        self.since[job.id] = now
+        self.share.start(job, now)
+        tg.start_soon(self._run_job, job)
+
+    def _preempt(self, victim: Job, by: Job) -> None:
+        """Stop `victim` at an agreed step, checkpointed, and requeue it (`AttemptEnd.PREEMPTED`)."""
+        attempt = self.attempts.get(victim.id)
+        if attempt is None or attempt.outcome is not None:
+            return
+        self.preempting[victim.id] = by.id
+        log.info("job.preempting", job_id=victim.id, by=by.id, by_uid=by.owner_uid, priority=by.spec.priority)
+        attempt.conclude(Outcome(AttemptEnd.PREEMPTED, f"preempted by {by.id}", graceful=True))
+
+    def _charge(self, jobs: list[Job], now: float) -> None:
+        users = self.share.charge(jobs, now)
+        if users and self._tg is not None:
+            self._tg.start_soon(self.share.save, users)
 
     async def _dependencies_met(self, job: Job) -> bool:
         """Whether every job `job` waits for has SUCCEEDED; fails it when one ended otherwise."""
@@ -252,6 +287,11 @@ class Scheduler:
             with anyio.CancelScope(shield=True):
                 await self._fail_internal(job, exc)
         finally:
+            users = self.share.stop(job, self.clock())
+            if users and self._tg is not None:
+                self._tg.start_soon(self.share.save, users)
+            self.since.pop(job.id, None)
+            self.preempting.pop(job.id, None)
             self._release(job)
             self.running.discard(job.id)
             self.attempts.pop(job.id, None)
@@ -311,6 +351,9 @@ class Scheduler:
                                           max_restarts=job.spec.max_restarts,
                                           cancel_requested=job.cancel_requested is not None,
                                           accepting=self.accepting)
+            if new is JobState.PREEMPTED:
+                await self._preempted(job, outcome.reason)
+                return
             if new is JobState.QUEUED:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
                 return
@@ -322,6 +365,22 @@ class Scheduler:
                 continue
             await self._ended(job)
             return
+
+    async def _preempted(self, job: Job, reason: str) -> None:
+        """Its ranks stopped at an agreed step and checkpointed: PREEMPTED (who, when, at which step),
+        then back in the queue to resume from that checkpoint (or CANCELLED, if a cancel came meanwhile)."""
+        by = self.preempting.get(job.id)
+        step = max((r.step for r in job.ranks), default=None)
+        holder = self.jobs.get(by) if by is not None else None
+        await self.journal.job_state(job, JobState.PREEMPTED, reason, by=by, step=step,
+                                     by_uid=None if holder is None else holder.owner_uid)
+        if job.cancel_requested:
+            await self.journal.job_state(job, JobState.CANCELLED, job.cancel_requested, finish=False)
+            await self._ended(job)
+            return
+        new = lifecycle.after_preemption(job.state)
+        if new is not None:
+            await self.journal.job_state(job, new, "preempted", by=by, step=step)
 
     async def _fail_internal(self, job: Job, exc: Exception) -> None:
         """Never raises: the job ends FAILED in memory even when nothing can be written."""

@@ -20,7 +20,8 @@ def after_attempt(end: AttemptEnd, reason: str, *, attempt: int, max_restarts: i
     """The job's next state once attempt number `attempt` (1-based) ended as `end`; every end has its
     state here (mypy checks the match is exhaustive).
 
-    A daemon stopping sends the job back to the queue; re-forming nodes restart it. A failure or
+    A daemon stopping sends the job back to the queue; a preempted job is PREEMPTED (then queued
+    again, `after_preemption`); re-forming nodes restart it. A failure or
     timeout restarts while restarts remain, unless it ran out of wall time (counted from the first
     start), was cancelled, or the daemon stops taking work; anything else is final as it ended.
     """
@@ -29,6 +30,8 @@ def after_attempt(end: AttemptEnd, reason: str, *, attempt: int, max_restarts: i
             return JobState.QUEUED
         case AttemptEnd.REFORMING:
             return JobState.RESTARTING
+        case AttemptEnd.PREEMPTED:
+            return JobState.PREEMPTED
         case AttemptEnd.SUCCEEDED:
             return JobState.SUCCEEDED
         case AttemptEnd.CANCELLED:
@@ -42,12 +45,19 @@ def after_attempt(end: AttemptEnd, reason: str, *, attempt: int, max_restarts: i
             assert_never(end)
 
 
+def after_preemption(state: JobState) -> JobState | None:
+    """A PREEMPTED job goes back to the queue, to resume from its checkpoint (None: it is not preempted)."""
+    return JobState.QUEUED if state is JobState.PREEMPTED else None
+
+
 def after_daemon_restart(state: JobState, *, attempt: int, max_restarts: int) -> JobState | None:
     """What a job found by recovery becomes: None when it stays as it is (queued or ended).
 
     A job that was starting or running lost its attempt: it is queued again while it has a restart
     left (the lost attempt counts as one), and fails otherwise.
     """
+    if state is JobState.PREEMPTED:  # its checkpoint is on disk: queued again, no restart spent
+        return JobState.QUEUED
     if state not in ACTIVE:
         return None
     return JobState.QUEUED if attempt <= max_restarts else JobState.FAILED

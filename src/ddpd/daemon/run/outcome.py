@@ -20,6 +20,7 @@ class AttemptEnd(enum.Enum):
     CANCELLED = "cancelled"  # asked by its owner or root
     DAEMON_STOPPING = "stopped"  # this daemon is stopping: the job goes back to the queue
     REFORMING = "restarting"  # a multi-node job's nodes re-form (a node joined or left)
+    PREEMPTED = "preempted"  # stopped (gracefully: agreed step, checkpoint) for a job of higher priority
 
 
 @dataclass

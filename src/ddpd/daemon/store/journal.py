@@ -213,6 +213,16 @@ class Journal:
 
         await self._write("curves", fn)
 
+    async def save_usage(self, rows: dict[int, tuple[float, float, float]]) -> None:
+        """Users' fair-share usage: uid -> (GPU-seconds, CPU-slot-seconds, as of), in one write."""
+        def fn(c: sqlite3.Connection) -> None:
+            c.executemany("INSERT INTO usage (uid, gpu_seconds, cpu_seconds, at) VALUES (?, ?, ?, ?) "
+                          "ON CONFLICT(uid) DO UPDATE SET gpu_seconds=excluded.gpu_seconds, "
+                          "cpu_seconds=excluded.cpu_seconds, at=excluded.at",
+                          [(uid, *row) for uid, row in rows.items()])
+
+        await self._write("usage", fn)
+
     # -- writes a client waits on: they raise StorageError ---------------------------------------
 
     async def create_job(self, job: Job) -> None:
@@ -296,6 +306,11 @@ class Journal:
         rows = await self.db.run(lambda c: c.execute(
             f"SELECT state, count(*) AS n FROM jobs WHERE state IN {_FINAL} GROUP BY state").fetchall())
         return {JobState(r["state"]): int(r["n"]) for r in rows}
+
+    async def load_usage(self) -> dict[int, tuple[float, float, float]]:
+        """Every user's saved fair-share usage: uid -> (GPU-seconds, CPU-slot-seconds, as of)."""
+        rows = await self.db.run(lambda c: c.execute("SELECT uid, gpu_seconds, cpu_seconds, at FROM usage").fetchall())
+        return {int(r["uid"]): (float(r["gpu_seconds"]), float(r["cpu_seconds"]), float(r["at"])) for r in rows}
 
     async def oldest_ended(self) -> float | None:
         rows = await self.db.run(lambda c: c.execute(

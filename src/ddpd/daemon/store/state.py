@@ -24,7 +24,7 @@ from .errors import StorageError
 T = TypeVar("T")
 
 BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4  # 4: the usage table (fair share)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -80,6 +80,12 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS curves (
     job_id TEXT PRIMARY KEY,
     data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS usage (
+    uid INTEGER PRIMARY KEY,
+    gpu_seconds REAL NOT NULL,
+    cpu_seconds REAL NOT NULL,
+    at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, seq);
 CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);

@@ -1,0 +1,93 @@
+"""Fair share: each user's recent usage (GPU-seconds and CPU-slot-seconds, decaying with a half-life).
+
+A running job charges its owner for the GPUs and CPU slots it holds (`Resources.need`) for as long as
+it holds them; usage decays by half every `half_life` seconds, as Slurm's fair-share usage does. The
+scheduler charges at each decision and when a job lets its resources go, and saves the users charged
+through the journal (table `usage`), so usage outlives a daemon restart; what a job used since the
+last save is lost if the daemon dies (at most the time since its last scheduling decision).
+
+`Usage` and its arithmetic are pure; `FairShare` holds the users' usage and what each running job
+was last charged up to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..store.journal import Journal
+from ..store.records import Job
+from .resources import Resources
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A user's usage as of `at` (wall-clock seconds)."""
+
+    gpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    at: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """One number to compare users by: a GPU-second and a CPU-slot-second weigh the same."""
+        return self.gpu_seconds + self.cpu_seconds
+
+    def decayed(self, now: float, half_life: float) -> Usage:
+        """This usage as of `now` (never forward in time past `now`; no decay for a clock gone back)."""
+        if now <= self.at or half_life <= 0:
+            return Usage(self.gpu_seconds, self.cpu_seconds, max(now, self.at))
+        keep = 0.5 ** ((now - self.at) / half_life)
+        return Usage(self.gpu_seconds * keep, self.cpu_seconds * keep, now)
+
+    def plus(self, gpus: float, cpus: int, seconds: float, now: float, half_life: float) -> Usage:
+        """Decayed to `now`, then `seconds` of holding `gpus` GPUs and `cpus` CPU slots added."""
+        base = self.decayed(now, half_life)
+        return Usage(base.gpu_seconds + gpus * seconds, base.cpu_seconds + cpus * seconds, base.at)
+
+
+class FairShare:
+    """Every user's usage; charges running jobs and saves what changed through the journal."""
+
+    def __init__(self, journal: Journal, half_life: float) -> None:
+        self.journal = journal
+        self.half_life = half_life
+        self.usage: dict[int, Usage] = {}
+        self._charged: dict[str, float] = {}  # running job id -> charged up to (wall clock)
+
+    async def load(self) -> None:
+        self.usage = {uid: Usage(*row) for uid, row in (await self.journal.load_usage()).items()}
+
+    def start(self, job: Job, now: float) -> None:
+        """A job took its resources at `now`: charged from then on."""
+        self._charged[job.id] = now
+
+    def charge(self, running: Iterable[Job], now: float) -> set[int]:
+        """Charge each running job's owner up to `now`; the users charged."""
+        users: set[int] = set()
+        for job in running:
+            since = self._charged.get(job.id)
+            if since is None:
+                continue
+            gpus, cpus = Resources.need(job.spec)
+            old = self.usage.get(job.owner_uid, Usage(at=now))
+            self.usage[job.owner_uid] = old.plus(gpus, cpus, max(0.0, now - since), now, self.half_life)
+            self._charged[job.id] = now
+            users.add(job.owner_uid)
+        return users
+
+    def stop(self, job: Job, now: float) -> set[int]:
+        """A job let its resources go: its last charge; the users charged."""
+        users = self.charge([job], now)
+        self._charged.pop(job.id, None)
+        return users
+
+    def now(self, now: float) -> dict[int, Usage]:
+        """Each user's usage decayed to `now`."""
+        return {uid: u.decayed(now, self.half_life) for uid, u in self.usage.items()}
+
+    async def save(self, users: Iterable[int]) -> None:
+        """Record these users' usage (a write that fails is logged by the journal, never raised)."""
+        rows = {uid: (u.gpu_seconds, u.cpu_seconds, u.at) for uid in users if (u := self.usage.get(uid))}
+        if rows:
+            await self.journal.save_usage(rows)
