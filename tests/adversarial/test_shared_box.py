@@ -439,7 +439,7 @@ async def test_a_rank_cannot_grow_the_database_without_bound(
                 kinds[event.kind] = kinds.get(event.kind, 0) + 1
                 size += len(json.dumps(event.data))
         assert kinds.get("rank.rejoined", 0) <= 20, kinds  # 1000 re-joins, coalesced
-        assert kinds.get("job.checkpointed", 0) <= 200, kinds  # 800 checkpoints, a bounded burst
+        assert kinds.get("job.checkpointed", 0) <= 201, kinds  # 800 checkpoints: a bounded burst and the last
         assert kinds.get("rank.events_limited") == 1, kinds
         assert size < 200_000, size  # paths clipped: not 800 x 4,000 characters
         await pings(bob, d)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -108,6 +108,7 @@ class RankHandle:
     asked: dict[int, StacksAsked] = field(default_factory=dict)  # AskStacks requests awaiting their answer
     logs: RankLogs | None = None  # the daemon's side of its stdout and stderr logs
     events: EventBudget = field(default_factory=EventBudget)  # what of its repeated events is persisted
+    held_back: tuple[str, dict[str, Any]] | None = None  # the last event the budget kept live only
 
     def fail(self, now: float) -> None:
         """Record the first sign of failure (its time ranks root causes)."""
@@ -167,6 +168,7 @@ async def read_frames(h: RankHandle, ctx: RankContext) -> None:
             if not isinstance(msg, Heartbeat | Progress | Stacks):
                 ctx.replan()  # a hello or a phase change starts deadlines (heartbeat, progress)
             await _apply(h, ctx, msg, now)
+        await _flush_held_back(h, ctx)
     except (FrameError, TransitionError) as exc:
         message = exc.message if isinstance(exc, FrameError) else f"out-of-order frame: {exc}"
         h.fail(clock.monotonic())
@@ -248,13 +250,26 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))
 
 
-async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: object) -> None:
+async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: Any) -> None:
     """An event the rank may cause again and again: persisted within its budget (`eventbudget`), else live only."""
     keep = wanted and h.events.admit(now)
     await ctx.journal.event(ctx.job, kind, rank=h.rank.rank, persist=keep, **data)
-    if wanted and not keep and h.events.first_refusal:
-        await ctx.journal.event(ctx.job, "rank.events_limited", rank=h.rank.rank, of=kind,
-                                message=h.events.describe())
+    if keep and h.held_back is not None and h.held_back[0] == kind:
+        h.held_back = None
+    if wanted and not keep:
+        h.held_back = (kind, data)
+        if h.events.first_refusal:
+            await ctx.journal.event(ctx.job, "rank.events_limited", rank=h.rank.rank, of=kind,
+                                    message=h.events.describe())
+
+
+async def _flush_held_back(h: RankHandle, ctx: RankContext) -> None:
+    """The last event the budget kept live only (the rank's last checkpoint, say) is persisted once its
+    channel ends: the record's latest checkpoint is the rank's latest."""
+    if h.held_back is not None:
+        kind, data = h.held_back
+        h.held_back = None
+        await ctx.journal.event(ctx.job, kind, rank=h.rank.rank, held_back=True, **data)
 
 
 async def watch_exit(h: RankHandle, ctx: RankContext) -> None:

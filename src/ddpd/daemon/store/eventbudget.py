@@ -9,7 +9,9 @@ the root daemon's database without bound (events are kept for the whole retentio
   count is in the event); the others go to live followers only;
 - every persisted event of this kind takes a token of `EventBudget` (BURST at once, RATE a second
   after that, at most CAP per rank and attempt); beyond it the event is live only, and the first
-  such event is persisted once as `rank.events_limited`, naming the limit;
+  such event is persisted once as `rank.events_limited`, naming the limit; the last event held
+  back is persisted when the rank's channel ends (`held_back: true`), so the record's latest
+  checkpoint is the rank's latest;
 - a checkpoint's path is clipped to PATH_CLIP characters.
 
 Pure: the caller passes the time.
