@@ -37,7 +37,7 @@ _TIMEOUTS = {
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
           "max_restarts", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id",
-          "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call")
+          "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call", "notify", "notify_url")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
 
@@ -115,6 +115,11 @@ _OPTIONS: list[Callable[[F], F]] = [
     click.option("--cpus", type=float, default=None, metavar="N",
                  help="CPU limit of the job's cgroup (1.5 = one and a half cores), where the daemon has the cpu "
                  "controller."),
+    click.option("--notify", default=None, metavar="CMD",
+                 help="A shell command run as you when the job ends, restarts or is preempted (DDPD_JOB_ID, "
+                 "DDPD_JOB_STATE, DDPD_JOB_ROOT_CAUSE, DDPD_JOB_DURATION, DDPD_JOB_LAST_LOSS... in its environment)."),
+    click.option("--notify-url", "notify_url", default=None, metavar="URL",
+                 help="A URL that gets the same as a JSON POST (http or https)."),
     click.option("--log-max", "log_max", type=int, default=None, metavar="BYTES",
                  help="Rotate each rank log past this size, keeping the newest [default and most: the daemon's]."),
     click.option("--env", "env", multiple=True, metavar="K=V", help="Environment variable for every rank."),

@@ -116,6 +116,7 @@ class Config:
     gpu_idle_cancel: bool = False  # ... and cancelled (reason gpu_idle)
     notify: str | None = None  # a command run (as the submitter) when any job ends, restarts or is preempted
     notify_url: str | None = None  # or a URL that gets the same as a JSON POST
+    notify_timeout: float = 30.0  # seconds one run of a notification hook may take (then killed; retried once)
     defaults: Defaults = field(default_factory=Defaults)
     config_file: Path | None = None
 
@@ -195,6 +196,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     gpu_idle_after: Annotated[float, msgspec.Meta(gt=0, le=30 * DAY)] | msgspec.UnsetType | None = msgspec.UNSET
     gpu_idle_cancel: bool | msgspec.UnsetType = msgspec.UNSET
     notify: Text | msgspec.UnsetType | None = msgspec.UNSET
+    notify_timeout: Annotated[float, msgspec.Meta(ge=1, le=600)] | msgspec.UnsetType = msgspec.UNSET
     notify_url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048, pattern=r"^https?://")] | (
         msgspec.UnsetType) | None = msgspec.UNSET
     defaults: DefaultsSchema | msgspec.UnsetType = msgspec.UNSET

@@ -34,6 +34,7 @@ MAX_ENV = 256
 MAX_ENV_KEY = 128
 MAX_ENV_VALUE = 16 * 1024
 MAX_OPTIONS = 64
+MAX_NOTIFY = 2048  # characters of a notification command or URL
 MAX_ENVIRON = 4096  # names the submitter exported (--export)
 MAX_ENVIRON_VALUE = 128 * 1024
 MAX_ENVIRON_TOTAL = 1 << 20  # bytes of names and values together (the request limit is tighter still)
@@ -123,6 +124,11 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     cpus: Annotated[float, msgspec.Meta(gt=0, le=MAX_CPUS)] | None = None
     # bytes of each rank log before it rotates; at most the daemon's rank_log_max (None: that)
     log_max: Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 50)] | None = None
+    # when the job ends, restarts or is preempted: a shell command run as the submitter (in a cgroup of
+    # its own, DDPD_JOB_* in its environment), and/or a URL POSTed the same as JSON (by the submitter)
+    notify: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NOTIFY)] | None = None
+    notify_url: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NOTIFY,
+                                            pattern=r"^https?://[^\s]+$")] | None = None
 
 
 class SpecError(ValueError):
@@ -259,6 +265,9 @@ def _check_texts(spec: JobSpec) -> None:
     if spec.python is not None:
         check_text("python", spec.python, MAX_PATH)
     check_text("export", spec.export, MAX_EXPORT)
+    for field in ("notify", "notify_url"):
+        if (text := getattr(spec, field)) is not None:
+            check_text(field, text, MAX_NOTIFY)
     if spec.environ is not None:
         check_environ(spec.environ)
     if len(dependency_ids(spec)) > MAX_AFTER:

@@ -42,6 +42,7 @@ from .dependencies import Broken, Ready, kinds_of, resolve_after, states_of, ver
 from .fairshare import FairShare
 from .gpuhealth import GpuHealth
 from .leftovers import kill_cgroup, kill_marked
+from .notifyhooks import Notifier
 from .resources import Resources
 from .retention import Retention
 from .table import JobTable
@@ -71,6 +72,7 @@ class Scheduler:
         self._tg: anyio.abc.TaskGroup | None = None  # run's: where draining GPUs are waited for
         self.health = GpuHealth(journal, resources, self.attempts, self.running_jobs, self._notify,
                                 lambda: self.config, lambda job, why: self.cancel(job, why, force=False))
+        self.notifier = Notifier(lambda: self.config, journal, subtree)  # each job's hooks, as its submitter
         self.share = FairShare(journal, config.fairshare_half_life)  # each user's recent usage (queue.fairshare)
         self.since: dict[str, float] = {}  # running job id -> when its resources were taken (wall clock)
         self.preempting: dict[str, str] = {}  # running job id being preempted -> the job it makes room for
@@ -197,6 +199,7 @@ class Scheduler:
         await self.share.load()
         tg.start_soon(self.health.run)
         tg.start_soon(self.health.watch_idle)
+        tg.start_soon(self.notifier.run)
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -356,8 +359,11 @@ class Scheduler:
                 return
             if new is JobState.QUEUED:
                 await self.journal.job_state(job, JobState.QUEUED, outcome.reason)
+                self.notifier.post(job, "preempted")
                 return
             await self.journal.job_state(job, new, outcome.reason, finish=False, root_cause=_rc(outcome))
+            if new is JobState.RESTARTING:
+                self.notifier.post(job, "restarting")
             if new is JobState.RESTARTING and self.health.must_move(job.gpus):  # placed again, elsewhere
                 await self.journal.job_state(job, JobState.QUEUED, "gpu_quarantined")
                 return
@@ -408,6 +414,7 @@ class Scheduler:
                 attempts=job.attempt, root_cause=None if rc is None else rc.detail,
                 root_cause_rank=None if rc is None else rc.rank,
             )
+            self.notifier.post(job, "ended")
         finally:
             job.finished.set()  # after the summary event: a `wait` returns once every event of the job is out
 

@@ -1,0 +1,256 @@
+"""Notifications: when a job ends, restarts or is preempted, its hooks are run as its submitter.
+
+A job's hooks are its spec's `notify` (a shell command) and `notify_url` (a URL), then the
+daemon's own (config `notify`, `notify_url`). Each runs as the job's owner, never in the root
+daemon: the command through ``/bin/sh -c`` with the job's facts in ``DDPD_JOB_*`` variables; a
+URL by a small stdlib program of the daemon's interpreter (``-I -S``), run as that user, that
+POSTs the same facts as JSON (so a URL reaches only what its submitter could reach: the port
+fences let root through, never this). Where the daemon has a cgroup subtree, each run is in a
+cgroup of its own (``notify-<uid>-<n>``), entered before the user's code runs (the gate) and
+killed and removed afterwards, so nothing it started outlives it; a killed daemon's are swept at
+the next start.
+
+Never blocking the daemon: the scheduler only `post`s a notice (a bounded queue; a full one drops
+it, journalled); `run` delivers them in tasks of its own, at most `AT_ONCE` at a time, each run
+bounded by `notify_timeout` seconds (then its group and cgroup are killed) and retried once. A hook
+that fails twice is a ``job.notify_failed`` event; one that worked, ``job.notified``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+
+from ..config import Config
+from ..contain.cgroups import AttemptCgroup, CgroupError, Subtree
+from ..contain.identity import SANE_PATH, Identity, UnknownUser, popen_kwargs
+from ..store.journal import Journal
+from ..store.records import Job
+
+log = structlog.get_logger("ddpd")
+
+PREFIX = "notify-"  # the hooks' cgroups under the subtree's jobs
+QUEUED_AT_MOST = 256  # notices waiting for delivery
+AT_ONCE = 4  # hooks running at once, all users together
+RETRY_PAUSE = 1.0  # seconds before the one retry
+CGROUP_KILL_WAIT = 10.0
+ERROR_TAIL = 400  # bytes of a failed hook's stderr kept in its event
+
+Event = Literal["ended", "restarting", "preempted"]
+
+# run as the submitter by the daemon's interpreter (-I -S: no site, no user paths): POST the JSON
+# of DDPD_NOTIFY_JSON to argv[1] within argv[2] seconds; exit 0 on a 2xx answer
+POSTER = """
+import os, sys, urllib.request
+req = urllib.request.Request(sys.argv[1], data=os.environ["DDPD_NOTIFY_JSON"].encode(), method="POST",
+                             headers={"Content-Type": "application/json", "User-Agent": "ddpd-notify"})
+try:
+    with urllib.request.urlopen(req, timeout=float(sys.argv[2])) as answer:
+        code = answer.status
+except Exception as exc:
+    sys.exit(f"POST {sys.argv[1]}: {exc}")
+sys.exit(0 if 200 <= code < 300 else f"POST {sys.argv[1]}: HTTP {code}")
+"""
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What a hook is told of a job (its environment as DDPD_JOB_*, or the JSON body)."""
+
+    id: str
+    name: str
+    event: Event
+    state: str
+    reason: str | None
+    root_cause: str | None
+    attempt: int
+    duration: float | None
+    last_loss: float | None
+    owner_uid: int
+
+
+def notice_of(job: Job, event: Event, now: float) -> Notice:
+    rc = job.root_cause
+    cause = None if rc is None else (rc.detail or rc.message or rc.error or rc.reason)
+    losses = [r.loss for r in sorted(job.ranks, key=lambda r: r.rank) if r.loss is not None]
+    duration = None if job.started_at is None else round((job.finished_at or now) - job.started_at, 3)
+    return Notice(id=job.id, name=job.name, event=event, state=job.state.value, reason=job.reason, root_cause=cause,
+                  attempt=job.attempt, duration=duration, last_loss=losses[0] if losses else None,
+                  owner_uid=job.owner_uid)
+
+
+def variables(notice: Notice) -> dict[str, str]:
+    """DDPD_JOB_ID, DDPD_JOB_STATE, ... ("" for what is not known)."""
+    return {f"DDPD_JOB_{key.upper()}": "" if value is None else str(value) for key, value in asdict(notice).items()
+            if key != "owner_uid"}
+
+
+@dataclass(frozen=True)
+class Hook:
+    kind: Literal["command", "url"]
+    target: str
+
+    def argv(self, timeout: float) -> list[str]:
+        if self.kind == "command":
+            return ["/bin/sh", "-c", self.target]
+        return [sys.executable, "-I", "-S", "-c", POSTER, self.target, f"{max(1.0, timeout - 1):g}"]
+
+
+def hooks_of(job: Job, cfg: Config) -> list[Hook]:
+    found = [Hook("command", job.spec.notify) if job.spec.notify else None,
+             Hook("url", job.spec.notify_url) if job.spec.notify_url else None,
+             Hook("command", cfg.notify) if cfg.notify else None,
+             Hook("url", cfg.notify_url) if cfg.notify_url else None]
+    return [h for h in found if h is not None]
+
+
+def _tail(proc: subprocess.Popen[bytes]) -> bytes:
+    """What the hook left in its stderr pipe (never waits: a grandchild may hold the pipe open)."""
+    if proc.stderr is None:
+        return b""
+    fd = proc.stderr.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    try:
+        return os.read(fd, 65536)[-ERROR_TAIL:]
+    except BlockingIOError:
+        return b""
+    finally:
+        proc.stderr.close()
+
+
+def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: float,
+             place: Callable[[int], None] | None) -> str | None:
+    """Run one hook as `identity` for at most `timeout` seconds (blocking); why it failed, or None."""
+    std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
+                           "process_group": 0}
+    try:
+        if place is None:
+            proc = subprocess.Popen(argv, env=env, cwd="/", **std, **popen_kwargs(identity))
+        else:
+            from ..contain.gate import spawn_gated  # as interpreter checks do
+
+            proc = spawn_gated(argv, env, "/", identity if popen_kwargs(identity) else None, place, **std)
+    except OSError as exc:
+        return f"cannot start it: {exc.strerror or exc}"
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # what it started in its group, and itself past the bound
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    said = _tail(proc).decode(errors="replace").strip()
+    if code is None:
+        return f"did not finish within {timeout:g} s"
+    if code == 0:
+        return None
+    return f"exit status {code}" + (f": {said.splitlines()[-1]}" if said else "")
+
+
+def end_cgroup(cgroup: AttemptCgroup) -> None:
+    """Kill what is left in a hook's cgroup and remove it (blocking); a stuck one is logged and kept."""
+    try:
+        if cgroup.kill(CGROUP_KILL_WAIT):
+            cgroup.remove()
+            return
+    except (CgroupError, OSError) as exc:
+        log.warning("notify.cgroup_left", cgroup=str(cgroup.path), error=str(exc))
+        return
+    log.warning("notify.cgroup_left", cgroup=str(cgroup.path), error="still populated after kill")
+
+
+def sweep(jobs: Path) -> None:
+    """End the hook cgroups a killed daemon left under `jobs` (blocking)."""
+    for path in jobs.glob(f"{PREFIX}*"):
+        if path.is_dir():
+            end_cgroup(AttemptCgroup(path))
+
+
+class Notifier:
+    """`post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
+
+    def __init__(self, config: Callable[[], Config], journal: Journal, subtree: Subtree | None) -> None:
+        self.config = config
+        self.journal = journal
+        self.subtree = subtree
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[Job, Notice, list[Hook]]](QUEUED_AT_MOST)
+        self._serial = itertools.count(1)
+        self._threads = anyio.CapacityLimiter(AT_ONCE)
+
+    def post(self, job: Job, event: Event) -> None:
+        hooks = hooks_of(job, self.config())
+        if not hooks:
+            return
+        try:
+            self._send.send_nowait((job, notice_of(job, event, time.time()), hooks))
+        except anyio.WouldBlock:
+            log.warning("notify.dropped", job_id=job.id, event=event, waiting=QUEUED_AT_MOST)
+
+    async def run(self) -> None:
+        if self.subtree is not None:
+            await anyio.to_thread.run_sync(sweep, self.subtree.jobs)
+        async with anyio.create_task_group() as tg:
+            async for job, notice, hooks in self._receive:
+                for hook in hooks:
+                    tg.start_soon(self._deliver, job, notice, hook)
+
+    async def _deliver(self, job: Job, notice: Notice, hook: Hook) -> None:
+        with structlog.contextvars.bound_contextvars(job_id=job.id, attempt=notice.attempt):
+            try:
+                identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
+            except UnknownUser as exc:
+                await self._report(job, notice, hook, str(exc), tries=0)
+                return
+            error: str | None = None
+            for tries in (1, 2):
+                error = await self._once(identity, notice, hook)
+                if error is None:
+                    await self.journal.event(job, "job.notified", hook=hook.kind, notice=notice.event, tries=tries)
+                    return
+                if tries == 1:
+                    await anyio.sleep(RETRY_PAUSE)
+            await self._report(job, notice, hook, error or "", tries=2)
+
+    async def _report(self, job: Job, notice: Notice, hook: Hook, error: str, tries: int) -> None:
+        await self.journal.event(job, "job.notify_failed", hook=hook.kind, notice=notice.event, tries=tries,
+                                 error=error)
+
+    async def _once(self, identity: Identity, notice: Notice, hook: Hook) -> str | None:
+        """One run of the hook in a cgroup of its own (where there is a subtree), bounded."""
+        timeout = self.config().notify_timeout
+        env = {**identity.identity_env(), "PATH": SANE_PATH, **variables(notice)}
+        if hook.kind == "url":
+            env["DDPD_NOTIFY_JSON"] = json.dumps(asdict(notice))
+        cgroup = None
+        if self.subtree is not None:
+            try:
+                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                                                        f"{PREFIX}{identity.uid}-{next(self._serial)}")
+            except OSError as exc:  # it still runs, in its process group only
+                log.warning("notify.cgroup_unavailable", error=str(exc))
+        try:
+            return await anyio.to_thread.run_sync(run_hook, hook.argv(timeout), env, identity, timeout,
+                                                  None if cgroup is None else cgroup.add, limiter=self._threads,
+                                                  abandon_on_cancel=True)  # the cgroup's end kills it
+        finally:
+            if cgroup is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(end_cgroup, cgroup)
