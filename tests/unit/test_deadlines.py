@@ -171,3 +171,20 @@ def test_a_rank_silent_after_its_script_returned_is_stuck_at_exit() -> None:
     outcome = _at(clock, LIMITS, watch, [at_work]).outcome
     assert outcome is not None and outcome.root_cause is not None
     assert outcome.root_cause.detail == "rank 0 sent nothing for 10.0s"
+
+
+def test_a_finished_rank_waiting_for_its_peers_is_not_frozen() -> None:
+    """Rank 0 sent its result and serves the store until its peer exits: its step stays put past
+    the progress timeout while rank 1 still steps, and that is no hang."""
+    clock = FakeClock()
+    watch = _watch(clock)
+    t0 = clock.monotonic()
+    clock.advance(30.0)
+    now = clock.monotonic()
+    ranks = [RankClock(0, S.TRAINING, last_frame=now, last_step_change=t0, step=20, finished=True),
+             RankClock(1, S.TRAINING, last_frame=now, last_step_change=now, step=19)]
+    assert _at(clock, LIMITS, watch, ranks).outcome is None
+    ranks[0] = RankClock(0, S.TRAINING, last_frame=now, last_step_change=t0, step=20)  # not finished: frozen
+    outcome = _at(clock, LIMITS, watch, ranks).outcome
+    assert outcome is not None and outcome.reason == "progress_timeout" and outcome.root_cause is not None
+    assert outcome.root_cause.ranks == [0]

@@ -130,7 +130,8 @@ def _silent(r: RankClock, watch: Watch, seconds: float) -> str:
 def _progress(limits: Limits, watch: Watch, live: list[RankClock], now: float,
               deadlines: list[float]) -> Outcome | None:
     watched = (RankState.TRAINING,) if watch.script else (RankState.JOINED, RankState.TRAINING)
-    stalled = [r for r in live if r.state in watched and r.last_step_change is not None]
+    # a finished rank takes no more steps (rank 0 may still serve the store for its peers)
+    stalled = [r for r in live if r.state in watched and r.last_step_change is not None and not r.finished]
     if not stalled:
         return None
 
