@@ -1,4 +1,4 @@
-"""ddpctl's commands about the daemon and the shell: ping, daemon, whoami, reload, gpu release, completion."""
+"""ddpctl's commands about the daemon and the shell: ping, daemon, whoami, reload, gpu release, share, completion."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from ddpd.client import WhoAmI
+from ddpd.client import ShareResult, WhoAmI
 
 from . import render
 from .completion import SHELLS, completion_script
@@ -100,3 +100,34 @@ def completion(shell: str) -> None:
     click.echo(completion_script(cli, shell))
 
 
+
+
+@cli.command()
+@output_option
+@socket_option
+def share(output: str, socket_path: Path | None) -> None:
+    """Show each user's recent usage and fair-share factor (the next served first).
+
+    Usage is GPU-seconds and CPU-slot-seconds, halving every half-life; among jobs of equal priority,
+    the user with the higher factor (less used lately) goes first.
+    """
+    result = client_for(socket_path).share()
+    if output == "json":
+        print_json(result)
+        return
+    if not result.users:
+        note("no usage recorded and no jobs")
+        return
+    show(_share_table(result))
+
+
+def _share_table(result: ShareResult) -> Table:
+    half = f"half-life {render.duration_text(result.half_life)}" if result.half_life else "no decay"
+    table = Table(title=f"fair share ({half})", title_justify="left")
+    for name in ("user", "GPU-s", "CPU-s", "usage", "factor", "running", "queued"):
+        table.add_column(name, justify="left" if name == "user" else "right")
+    for v in result.users:
+        who = f"{v.name} ({v.uid})" if v.name else str(v.uid)
+        table.add_row(Text(who), f"{v.gpu_seconds:.0f}", f"{v.cpu_seconds:.0f}", f"{v.usage:.0%}", f"{v.factor:.2f}",
+                      str(v.running), str(v.queued))
+    return table

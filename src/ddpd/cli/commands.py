@@ -144,15 +144,24 @@ def status(job_id: str, output: str, socket_path: Path | None) -> None:
 @socket_option
 def list_jobs(active: bool, limit: int, before: int | None, output: str, socket_path: Path | None) -> None:
     """List jobs, newest first, one page at a time (JSON: the page's jobs)."""
-    page = client_for(socket_path).list_page(all=not active, limit=limit, before=before)
+    client = client_for(socket_path)
+    page = client.list_page(all=not active, limit=limit, before=before)
     if output == "json":
         print_json(page.jobs)
     elif not page.jobs:
         note("no active jobs" if active else "no jobs")
     else:
-        show(render.jobs_table(page.jobs, time.time()))
+        show(render.jobs_table(page.jobs, time.time(), shares=_shares(client)))
     if page.next is not None:
         note(f"more jobs: ddpctl ls --limit {limit} --before {page.next}{' --active' if active else ''}")
+
+
+def _shares(client: Client) -> dict[int, float] | None:
+    """Each user's fair-share factor for `ls`'s share column (None: a daemon without fair share)."""
+    try:
+        return {v.uid: v.factor for v in client.share().users}
+    except RemoteError:
+        return None
 
 
 @cli.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import pwd
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 from rich.console import Group, RenderableType
@@ -20,6 +20,7 @@ STATE_STYLES = {
     "STARTING": "cyan",
     "RUNNING": "bold cyan",
     "RESTARTING": "yellow",
+    "PREEMPTED": "magenta",
     "SUCCEEDED": "bold green",
     "FAILED": "bold red",
     "CANCELLED": "yellow",
@@ -258,8 +259,10 @@ def nodes_table(view: JobView) -> Table:
     return table
 
 
-def jobs_table(views: Iterable[JobView], now: float, progress: bool = False, title: str | None = None) -> Table:
-    """The jobs, a row each; `progress`: with each job's step (of its target) and ETA."""
+def jobs_table(views: Iterable[JobView], now: float, progress: bool = False, title: str | None = None,
+               shares: Mapping[int, float] | None = None) -> Table:
+    """The jobs, a row each; `progress`: with each job's step (of its target) and ETA; `shares`: with
+    the owner's fair-share factor (`ddpctl share`)."""
     table = Table(title=title, title_justify="left")
     table.add_column("id", no_wrap=True)
     table.add_column("name", overflow="fold")
@@ -272,6 +275,8 @@ def jobs_table(views: Iterable[JobView], now: float, progress: bool = False, tit
     if progress:
         table.add_column("step", justify="right")
         table.add_column("ETA", justify="right")
+    if shares is not None:
+        table.add_column("share", justify="right")
     table.add_column("root cause / pending", overflow="fold")
     for view in views:
         duration = ""
@@ -279,6 +284,9 @@ def jobs_table(views: Iterable[JobView], now: float, progress: bool = False, tit
             end = view.finished_at if view.finished_at is not None else now
             duration = duration_text(end - view.started_at)
         extra = [Text(t) for t in step_and_eta(view, now)] if progress else []
+        if shares is not None:
+            factor = shares.get(view.owner_uid)
+            extra.append(Text("" if factor is None or view.state in FINAL else f"{factor:.2f}"))
         table.add_row(
             Text(view.id),
             Text(view.name),

@@ -47,6 +47,8 @@ from ddpd.protocol.control import (
     Reply,
     Request,
     Resubmit,
+    ShareReq,
+    ShareResult,
     StacksReq,
     StacksResult,
     Status,
@@ -367,6 +369,10 @@ class AsyncClient:
     async def gpu_release(self, gpu: str) -> GpuReleaseResult:
         """Lift a GPU's quarantine (root and the admin group): `gpu` is its NVML index or UUID."""
         return convert(await self._call(lambda i: GpuRelease(id=i, gpu=gpu)), GpuReleaseResult)
+
+    async def share(self) -> ShareResult:
+        """Each user's recent usage and fair-share factor (see ShareView)."""
+        return convert(await self._call(lambda i: ShareReq(id=i)), ShareResult)
 
     async def whoami(self) -> WhoAmI:
         """Who the daemon takes this client for: uid, name, groups and rights (see WhoAmI)."""

@@ -27,6 +27,7 @@ from ddpd.protocol.control import (
     JobView,
     LogChunk,
     Reply,
+    ShareResult,
     StacksResult,
     SubmitResult,
     WhoAmI,
@@ -259,6 +260,9 @@ class Client:
 
     def gpu_release(self, gpu: str) -> GpuReleaseResult:
         return _once(lambda: self.aio.gpu_release(gpu))
+
+    def share(self) -> ShareResult:
+        return _once(self.aio.share)
 
     def whoami(self) -> WhoAmI:
         return _once(self.aio.whoami)

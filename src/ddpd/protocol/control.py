@@ -138,8 +138,12 @@ class GpuRelease(_Req, tag="gpu_release"):
     gpu: Annotated[str, msgspec.Meta(min_length=1, max_length=96)]
 
 
+class ShareReq(_Req, tag="share"):
+    """Each user's recent usage and fair-share factor (ShareResult); anyone may ask, as Slurm's sshare."""
+
+
 Request = (HelloReq | Submit | Status | ListJobs | Cancel | Wait | Logs | Events | Remove | Ping | DaemonInfoReq
-           | Reload | StacksReq | CurveReq | Resubmit | WhoAmIReq | GpuRelease)
+           | Reload | StacksReq | CurveReq | Resubmit | WhoAmIReq | GpuRelease | ShareReq)
 OPS: frozenset[str] = frozenset(str(kind.__struct_config__.tag) for kind in get_args(Request))
 """Every op a request may name: the tags of the `Request` union, so no op is known without its type."""
 
@@ -352,6 +356,28 @@ class GpuReleaseResult(msgspec.Struct):
     gpu: str
     reason: str
     since: float
+
+
+class ShareView(msgspec.Struct):
+    """One user's share of the box: usage decayed to now (GPU-seconds, CPU-slot-seconds), its part of all
+    users' usage (0 to 1), the fair-share factor that orders jobs of equal priority (1: has used nothing
+    lately; lower: has used more than an equal share), and its jobs running and queued."""
+
+    uid: int
+    gpu_seconds: float
+    cpu_seconds: float
+    usage: float
+    factor: float
+    running: int = 0
+    queued: int = 0
+    name: str | None = None
+
+
+class ShareResult(msgspec.Struct):
+    """`share`: every user with usage or unended jobs, the one with the highest factor first."""
+
+    users: list[ShareView]
+    half_life: float  # seconds for usage to halve (0: no decay)
 
 
 class WhoAmI(msgspec.Struct):

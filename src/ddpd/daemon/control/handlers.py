@@ -49,6 +49,8 @@ from ...protocol.control import (
     RemoveResult,
     Request,
     Resubmit,
+    ShareReq,
+    ShareResult,
     StacksReq,
     StacksResult,
     Status,
@@ -62,6 +64,7 @@ from ...protocol.spec import reserved_env
 from ..config import ConfigError
 from ..contain.identity import Identity, UnknownUser, check_serves, job_environment, submitted_environment
 from ..gpu.gpuview import daemon_gpus, with_rank_gpus
+from ..queue.fairshare import share_views
 from ..queue.jobids import resolve
 from ..queue.scheduler import Scheduler
 from ..store.curves import CurveStore, curve_result
@@ -133,6 +136,8 @@ def route(ctx: Context, req: Request, uid: int) -> Answer:
             return whoami(ctx, uid)
         case GpuRelease():
             return gpu_release(ctx, req, uid)
+        case ShareReq():
+            return share(ctx)
         case _:
             assert_never(req)
 
@@ -278,6 +283,23 @@ async def gpu_release(ctx: Context, req: GpuRelease, uid: int) -> GpuReleaseResu
         raise ForbiddenError("only root and the admin group may release a quarantined GPU")
     record = await ctx.scheduler.health.release(req.gpu, uid)
     return GpuReleaseResult(gpu=record.label, reason=record.reason, since=record.at)
+
+
+async def share(ctx: Context) -> ShareResult:
+    """Each user's usage and fair-share factor (queue.fairshare), with their names where passwd has them."""
+    sched = ctx.scheduler
+    usage = sched.share.now(sched.clock())
+    views = share_views(usage, sched.fair_factors(frozenset(usage)), sched.unended.values(), sched.running)
+    names = await anyio.to_thread.run_sync(lambda: {v.uid: _user_name(v.uid) for v in views})
+    return ShareResult(users=[msgspec.structs.replace(v, name=names[v.uid]) for v in views],
+                       half_life=sched.share.half_life)
+
+
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
 
 
 # -- shared steps ----------------------------------------------------------------------------

@@ -12,9 +12,10 @@ was last charged up to.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 
+from ...protocol.control import ShareView
 from ..store.journal import Journal
 from ..store.records import Job
 from .resources import Resources
@@ -91,3 +92,22 @@ class FairShare:
         rows = {uid: (u.gpu_seconds, u.cpu_seconds, u.at) for uid in users if (u := self.usage.get(uid))}
         if rows:
             await self.journal.save_usage(rows)
+
+
+def share_views(usage: Mapping[int, Usage], factors: Mapping[int, float], jobs: Iterable[Job],
+                running: Set[str]) -> list[ShareView]:
+    """The `share` table: every user with usage or unended jobs, the highest factor (next served) first."""
+    counts: dict[int, list[int]] = {}
+    for job in jobs:
+        if not job.state.final:
+            counts.setdefault(job.owner_uid, [0, 0])[0 if job.id in running else 1] += 1
+    total = sum(u.total for u in usage.values())
+    views = []
+    for uid in sorted(set(usage) | set(counts) | set(factors)):
+        u = usage.get(uid, Usage())
+        n_running, n_queued = counts.get(uid, [0, 0])
+        part = round(u.total / total, 4) if total else 0.0
+        views.append(ShareView(uid=uid, gpu_seconds=round(u.gpu_seconds, 3), cpu_seconds=round(u.cpu_seconds, 3),
+                               usage=part, factor=round(factors.get(uid, 1.0), 4), running=n_running,
+                               queued=n_queued))
+    return sorted(views, key=lambda v: (-v.factor, v.uid))
