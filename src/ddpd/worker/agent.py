@@ -43,7 +43,7 @@ from ddpd.protocol.agent import (
     AgentShutdown,
     NodeRecord,
 )
-from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
+from ddpd.protocol.framing import Decoder, FrameError, LineSplitter
 from ddpd.protocol.limits import TEXT_LIMIT, clip_text
 from ddpd.protocol.nodes import MAX_NODES
 
@@ -60,7 +60,6 @@ class Agent:
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self.lock = threading.Lock()  # one reply at a time on the channel
         self.store: Any = None
         self.handler: Any = None
         self.round: Any = None
@@ -68,12 +67,7 @@ class Agent:
         self.keep_alive = 15.0
 
     def reply(self, message: AgentReply) -> None:
-        data = encode(message)
-        with self.lock:
-            try:
-                self.channel._sock.sendall(data)
-            except OSError as exc:
-                self.channel.daemon_gone(f"send failed: {exc}")
+        self.channel.send(message)  # one lock for every thread; a closed channel ends the agent
 
     def handle(self, request: AgentRequest) -> None:
         """Answer one request (in its own thread); any failure is an AgentError, never a crash."""
@@ -212,7 +206,7 @@ def requests(channel: Channel) -> Any:
     """The daemon's requests as they arrive (a bad frame is reported and skipped); ends at EOF."""
     splitter = LineSplitter()
     decoder: Decoder[AgentRequest] = Decoder(AgentRequest)
-    while data := channel._receive():
+    while data := channel.receive():
         for line in splitter.feed(data):
             try:
                 yield decoder.decode_frame(line)

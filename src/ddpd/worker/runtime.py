@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+from ddpd.protocol.agent import AgentReply
 from ddpd.protocol.channel import DaemonMessage, PhaseChanged, Progress, WorkerMessage
 from ddpd.protocol.framing import Decoder, FrameError, LineSplitter, encode
 from ddpd.protocol.worker import EXIT_DAEMON_GONE
@@ -32,7 +33,7 @@ class Channel:
         self._daemon_pgid = daemon_pgid
         self.fds: list[int] = []  # descriptors the daemon passed with its frames (SCM_RIGHTS), oldest first
 
-    def send(self, message: WorkerMessage) -> None:
+    def send(self, message: WorkerMessage | AgentReply) -> None:
         data = encode(message)
         with self._lock:
             try:
@@ -45,7 +46,7 @@ class Channel:
         splitter = LineSplitter()
         decoder: Decoder[DaemonMessage] = Decoder(DaemonMessage)
         while True:
-            data = self._receive()
+            data = self.receive()
             if not data:
                 return
             try:
@@ -59,7 +60,7 @@ class Channel:
                 except FrameError as exc:
                     _bad_frame(exc)
 
-    def _receive(self) -> bytes:
+    def receive(self) -> bytes:
         """The next bytes from the daemon, keeping any descriptors that came with them in `fds`."""
         data, ancillary, _, _ = self._sock.recvmsg(65536, socket.CMSG_SPACE(4 * MAX_PASSED_FDS))
         for level, kind, payload in ancillary:
