@@ -225,6 +225,9 @@ async def watch_health(devices: list[GpuInfo], on_fault: OnFault,
                     await on_note(["an NVML event wait has not returned for 30 s"])
                 stuck = True
                 continue
+            except Exception as exc:  # an NVML without events, a driver's surprise: the watch ends, said
+                await on_note([f"the GPU event watch stopped: {exc!r}"])
+                return
             stuck = False
             for fault in faults:
                 await on_fault(fault)

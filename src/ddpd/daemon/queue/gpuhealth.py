@@ -31,7 +31,7 @@ from ..gpu.gpus import GpuInfo
 from ..gpu.health import GpuFault, watch_health
 from ..gpu.utilisation import UtilisationLog, sample_async
 from ..store import quarantine as qstore
-from ..store.errors import NotFoundError
+from ..store.errors import NotFoundError, StorageError
 from ..store.journal import Journal
 from ..store.quarantine import Quarantined
 from ..store.records import Job
@@ -89,6 +89,13 @@ class GpuHealth:
     async def run(self) -> None:
         await watch_health(self.resources.devices, self.fault, self.note)
 
+    async def fault(self, fault: GpuFault) -> None:
+        """A fault from the watch; a bug in handling it is logged, never the end of the watch."""
+        try:
+            await self._fault(fault)
+        except Exception:
+            log.exception("gpu.fault_unhandled", gpu=fault.index, what=fault.what)
+
     async def watch_idle(self) -> None:
         """Sample the GPUs' utilisation and warn (or cancel) the jobs whose GPUs stay at 0%."""
         devices = [d for d in self.resources.devices if d.source == "nvml"]
@@ -96,8 +103,11 @@ class GpuHealth:
             return
         while True:
             cfg = self.config()
-            self.utilization.add(time.time(), await sample_async(devices))
-            await self.check_idle(time.time(), cfg)
+            try:
+                self.utilization.add(time.time(), await sample_async(devices))
+                await self.check_idle(time.time(), cfg)
+            except Exception:  # a bug here must not end the daemon: logged, sampled again next time
+                log.exception("gpu.idle_watch_failed")
             await anyio.sleep(cfg.gpu_sample_interval)
 
     async def check_idle(self, now: float, cfg: Config) -> None:
@@ -128,7 +138,7 @@ class GpuHealth:
     async def note(self, notes: list[str]) -> None:
         await self.journal.event(None, "gpu.unwatched", notes=notes)
 
-    async def fault(self, fault: GpuFault) -> None:
+    async def _fault(self, fault: GpuFault) -> None:
         devices = [d for d in self.resources.devices if d.index == fault.index and d.source == "nvml"]
         kind = {"xid": "gpu.xid", "ecc": "gpu.ecc_error", "nvml": "gpu.nvml_failing"}[fault.kind]
         await self.journal.event(None, kind, gpu=fault.index, uuids=[d.uuid for d in devices], what=fault.what,
@@ -141,8 +151,12 @@ class GpuHealth:
         """Hold `device` off placement (recorded) and fail the attempts of the jobs on it."""
         jobs = [j for j in self.running() if device.entry in j.gpus]
         if device.entry not in self.held:
-            record = await qstore.hold(self.journal.db, device.entry, gpu_name(device), what,
-                                           jobs[0].id if jobs else None)
+            holder = jobs[0].id if jobs else None
+            try:
+                record = await qstore.hold(self.journal.db, device.entry, gpu_name(device), what, holder)
+            except StorageError as exc:  # held all the same, until this daemon stops
+                log.error("gpu.quarantine_unrecorded", gpu=gpu_name(device), error=str(exc))
+                record = Quarantined(device.entry, gpu_name(device), what, time.time(), holder)
             self.held[device.entry] = record
             self.resources.quarantined[device.entry] = what
             await self.journal.event(None, "gpu.quarantined", gpu=device.label, uuid=device.uuid, reason=what,

@@ -215,19 +215,25 @@ class Notifier:
     async def _deliver(self, job: Job, notice: Notice, hook: Hook) -> None:
         with structlog.contextvars.bound_contextvars(job_id=job.id, attempt=notice.attempt):
             try:
-                identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
-            except UnknownUser as exc:
-                await self._report(job, notice, hook, str(exc), tries=0)
+                await self._deliver_hook(job, notice, hook)
+            except Exception:  # a bug in one delivery must not end the others, nor the daemon
+                log.exception("notify.internal_error", hook=hook.kind)
+
+    async def _deliver_hook(self, job: Job, notice: Notice, hook: Hook) -> None:
+        try:
+            identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
+        except UnknownUser as exc:
+            await self._report(job, notice, hook, str(exc), tries=0)
+            return
+        error: str | None = None
+        for tries in (1, 2):
+            error = await self._once(identity, notice, hook)
+            if error is None:
+                await self.journal.event(job, "job.notified", hook=hook.kind, notice=notice.event, tries=tries)
                 return
-            error: str | None = None
-            for tries in (1, 2):
-                error = await self._once(identity, notice, hook)
-                if error is None:
-                    await self.journal.event(job, "job.notified", hook=hook.kind, notice=notice.event, tries=tries)
-                    return
-                if tries == 1:
-                    await anyio.sleep(RETRY_PAUSE)
-            await self._report(job, notice, hook, error or "", tries=2)
+            if tries == 1:
+                await anyio.sleep(RETRY_PAUSE)
+        await self._report(job, notice, hook, error or "", tries=2)
 
     async def _report(self, job: Job, notice: Notice, hook: Hook, error: str, tries: int) -> None:
         await self.journal.event(job, "job.notify_failed", hook=hook.kind, notice=notice.event, tries=tries,

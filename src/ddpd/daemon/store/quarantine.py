@@ -3,15 +3,17 @@ its three queries (load, hold, release), each run off the event loop through `St
 
 A row is one device by its scheduler entry (its UUID, or its position where the daemon knows GPUs
 by count only), how views name it (`label`: NVML index and UUID), why it was quarantined, when,
-and the job that was on it. Held until an admin releases it.
+and the job that was on it. Held until an admin releases it. A database error is a StorageError.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import StorageError
 from .state import StateDB
 
 SCHEMA = """
@@ -57,7 +59,7 @@ async def hold(db: StateDB, entry: str, label: str, reason: str, job_id: str | N
         conn.execute("INSERT OR IGNORE INTO gpu_quarantine (entry, label, reason, at, job_id) VALUES (?, ?, ?, ?, ?)",
                      (entry, label, reason, record.at, job_id))
 
-    await db.run(fn)
+    await _write(db, fn)
     return record
 
 
@@ -66,4 +68,11 @@ async def release(db: StateDB, entry: str) -> None:
         _ensure(conn)
         conn.execute("DELETE FROM gpu_quarantine WHERE entry = ?", (entry,))
 
-    await db.run(fn)
+    await _write(db, fn)
+
+
+async def _write(db: StateDB, fn: Callable[[sqlite3.Connection], None]) -> None:
+    try:
+        await db.run(fn)
+    except sqlite3.Error as exc:
+        raise StorageError(f"the GPU quarantine cannot be recorded: {exc}") from None
