@@ -104,7 +104,9 @@ class Scheduler:
     def fair_factors(self, also: frozenset[int] = frozenset()) -> dict[int, float]:
         """Each user's fair-share factor now: of the users with jobs queued or running (those that share
         the box), and of `also`."""
-        usage = {uid: u.total for uid, u in self.share.now(self.clock()).items()}
+        now = self.clock()
+        self.share.charge(self.running_jobs(), now)  # what the running jobs used so far counts (saved later)
+        usage = {uid: u.total for uid, u in self.share.now(now).items()}
         return decide.factors(usage, {j.owner_uid for j in self.unended.values()} | also)
 
     def state_counts(self) -> dict[JobState, int]:
@@ -196,7 +198,6 @@ class Scheduler:
         tg.start_soon(self.retention.run, self._prune)
         self._tg = tg
         await self.health.load()  # before the first placement: a quarantined GPU stays out
-        await self.share.load()
         tg.start_soon(self.health.run)
         tg.start_soon(self.health.watch_idle)
         tg.start_soon(self.notifier.run)
@@ -450,12 +451,14 @@ class Scheduler:
         if self.running:
             self._idle = anyio.Event()
             await self._idle.wait()
+        await self.share.save(list(self.share.usage))  # what the last jobs used, before the loop is cancelled
 
     # -- recovery --------------------------------------------------------------------------
 
     async def recover(self) -> None:
         """Load every job; kill what is left of jobs that were running; keep the queue in order."""
         await self.table.load()
+        await self.share.load()  # before the first placement and the first `share` request
         for job in list(self.unended.values()):
             new = lifecycle.after_daemon_restart(job.state, attempt=job.attempt, max_restarts=job.spec.max_restarts)
             if new is None:
