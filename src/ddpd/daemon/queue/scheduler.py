@@ -72,10 +72,10 @@ class Scheduler:
         self._tg: anyio.abc.TaskGroup | None = None  # run's: where draining GPUs are waited for
         self.health = GpuHealth(journal, resources, self.attempts, self.running_jobs, self._notify,
                                 lambda: self.config, lambda job, why: self.cancel(job, why, force=False))
-        self.notifier = Notifier(lambda: self.config, journal, subtree)  # each job's hooks, as its submitter
         self.share = FairShare(journal, config.fairshare_half_life)  # each user's recent usage (queue.fairshare)
         self.since: dict[str, float] = {}  # running job id -> when its resources were taken (wall clock)
         self.preempting: dict[str, str] = {}  # running job id being preempted -> the job it makes room for
+        self.notifier = Notifier(lambda: self.config, journal, subtree)  # each job's hooks, as its submitter
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -388,6 +388,7 @@ class Scheduler:
         new = lifecycle.after_preemption(job.state)
         if new is not None:
             await self.journal.job_state(job, new, "preempted", by=by, step=step)
+        self.notifier.post(job, "preempted")
 
     async def _fail_internal(self, job: Job, exc: Exception) -> None:
         """Never raises: the job ends FAILED in memory even when nothing can be written."""
