@@ -11,7 +11,9 @@ thread so the daemon's log pump keeps running on the event loop.
 from __future__ import annotations
 
 import os
+import select
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from ..conftest import describe
+from ..conftest import assert_gone, describe
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -126,6 +128,7 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
     service = Service(executable_path=CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log"))
     driver = webdriver.Chrome(service=service, options=options)
     try:
+        assert profile_processes(profile), "the browser's processes cannot be found by their profile"
         yield Browser(driver)
     finally:
         driver.quit()
@@ -133,17 +136,24 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
 
 
 def _assert_browser_gone(service: Any, profile: Path) -> None:
-    """chromedriver and each process of the profile exited (a bounded wait: quit returns before they do)."""
-    import time
-
-    pids = profile_processes(profile)
+    """chromedriver and each process of the profile exited: a bounded wait on their pidfds (quit returns
+    before the browser's helpers are gone, and they are no children of ours)."""
     if service.process is not None:
-        pids.append(service.process.pid)
         service.process.wait(timeout=GONE_WAIT)
-    deadline = time.monotonic() + GONE_WAIT
-    left = pids
-    while left and time.monotonic() < deadline:
-        left = [p for p in profile_processes(profile) if p in pids]
-        if left:
-            time.sleep(0.05)  # a bounded wait for exits nothing announces
-    assert not left, "browser processes left: " + "; ".join(f"{p}: {describe(p)}" for p in left)
+        assert_gone(service.process.pid)
+    fds: dict[int, int] = {}
+    for pid in profile_processes(profile):
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+    try:
+        deadline = time.monotonic() + GONE_WAIT
+        waiting = set(fds)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(list(waiting), [], [], left)
+            waiting -= set(ready)
+        assert not waiting, "browser processes left: " + "; ".join(f"{fds[fd]}: {describe(fds[fd])}" for fd in waiting)
+    finally:
+        for fd in fds:
+            os.close(fd)
