@@ -40,7 +40,8 @@ DEGRADED_FOR = 30.0  # seconds after a write was given up during which writes ar
 LOG_TRACEBACK_CHARS = 4000
 _FINAL = "(" + ", ".join(f"'{s.value}'" for s in JobState if s.final) + ")"  # SQL: the final states
 _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed",
-                          "rank.unkillable", "rank.protocol_error"})
+                          "rank.unkillable", "rank.protocol_error", "gpu.xid", "gpu.ecc_error", "gpu.nvml_failing",
+                          "gpu.quarantined", "job.gpu_idle", "job.notify_failed"})
 
 
 class Journal:
