@@ -212,4 +212,4 @@ def nvmlEventSetWait(event_set: Any, timeout_ms: int) -> Any:
             return event
         if time.monotonic() >= deadline:
             raise NVMLError_Timeout("Timeout")
-        time.sleep(0.02)  # the stand-in's wait: the driver's is a blocking call
+        time.sleep(0.05)  # the stand-in's wait (the driver's blocks): events within 50 ms
