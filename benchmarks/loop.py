@@ -16,6 +16,17 @@ steady loop is timed. The bare loop reads no loss and sends nothing: the stricte
 The results are ddpd's steps per second over torchrun's and over the bare script's under ddpd
 (the loop's own cost, the launcher being the same), per round, and their medians with the range.
 The target is >= 0.98. On a shared machine the figures are noisy: read the range.
+
+**Back to back** (``--back-to-back``, and part of the suite's ``loop``): the way people submit, the
+bare loop as an unmodified script, each job submitted when the previous one ended: to a
+default-config daemon (warm pool on: each job takes pooled interpreters while the pool refills
+behind it), to a daemon without a pool (cold), and the same file under torchrun, alternating.
+Each side runs a short job, then at once a long one: under ddpd the short job emptied the pool,
+which refills while the long one trains. Two rates per side: the long run's steps per second on
+rank 0's clock from the short run's step count on (whatever runs beside the job, a refill, counts;
+start-up does not), and the difference of the two runs' wall times (submit to SUCCEEDED;
+torchrun's whole run) over the difference of their steps, which a loaded machine's start-up
+noise swamps. On the tiny model (2 x Linear(32), batch 8) and on 4 x Linear(1024), batch 64.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stamps", type=Path, help="(--bare) directory for rank 0's clock")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--back-to-back", action="store_true", help="the back-to-back comparison (pooled, cold, torchrun)")
     return p.parse_args(argv)
 
 
@@ -109,9 +121,10 @@ def bare(args: argparse.Namespace) -> None:
     ddp = DistributedDataParallel(model, device_ids=[device] if cuda else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     mse = nn.MSELoss()
-    clock = Clock(args.stamps, rank, args.warmup, args.steps, cuda)
+    clock = Clock(args.stamps, rank, args.warmup, args.steps, cuda) if args.stamps else None
     for step in range(1, args.steps + 1):
-        clock.at_step(step)
+        if clock is not None:
+            clock.at_step(step)
         optimizer.zero_grad(set_to_none=True)
         mse(ddp(x), y).backward()
         optimizer.step()
@@ -217,17 +230,131 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
-async def bench_loop(ctx: Any) -> None:
-    """The suite's entry (``BENCHES["loop"]``): the default comparison, recorded per launcher."""
-    from benchmarks.common import DDPD, TORCHRUN_NAME
+# -- back to back: short and long runs, pooled, cold and torchrun, alternating ----------------------
 
-    result = await compare(parse_args([]))
+# (label, layers, width, batch, short steps, long steps)
+MODELS = (("tiny", 2, 32, 8, 200, 4200), ("4x1024", 4, 1024, 64, 20, 420))
+B2B_SIDES = ("pooled", "cold", "torchrun")
+
+
+def b2b_argv(layers: int, width: int, batch: int, steps: int, warmup: int, stamps: Path) -> list[str]:
+    return ["--bare", "--layers", str(layers), "--width", str(width), "--batch", str(batch), "--steps", str(steps),
+            "--warmup", str(warmup), "--stamps", str(stamps)]
+
+
+async def b2b_job(daemon: Any, argv: list[str], nproc: int) -> float:
+    """Seconds from submit to SUCCEEDED of the bare loop as a script job."""
+    import anyio
+
+    from ddpd.protocol import JobSpec, JobState
+
+    started = time.perf_counter()
+    job_id = await daemon.client.submit(JobSpec(name="bench-b2b", script=[str(Path(__file__)), *argv], nproc=nproc,
+                                                workdir=str(REPO)))
+    with anyio.fail_after(600):
+        job = await daemon.client.wait(job_id)
+    if job.state != JobState.SUCCEEDED:
+        raise RuntimeError(f"ddpd script job {job.state}: {job.reason} {job.root_cause}")
+    return time.perf_counter() - started
+
+
+def b2b_torchrun(argv: list[str], nproc: int) -> float:
+    """Seconds of a whole torchrun of the bare loop (its launch included, as a job's is)."""
+    from benchmarks.common import TORCHRUN, free_port
+
+    started = time.perf_counter()
+    full = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+            str(free_port()), str(Path(__file__)), *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    done = subprocess.run(full, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+                          start_new_session=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+async def b2b_rate(side: str, daemons: dict[str, Any], model: tuple[str, int, int, int, int, int],
+                   nproc: int, stamps: Path) -> tuple[float, float]:
+    """One side, a short then a long run back to back: the long run's steps/s on rank 0's clock (from
+    step `short` on), and (long - short) steps over the difference of their wall times."""
+    _, layers, width, batch, short, long = model
+    times = []
+    for steps in (short, long):
+        out = stamps / f"{side}-{steps}"
+        out.mkdir(parents=True)
+        argv = b2b_argv(layers, width, batch, steps, min(short, steps - 1), out)
+        if side == "torchrun":
+            times.append(b2b_torchrun(argv, nproc))
+        else:
+            times.append(await b2b_job(daemons[side], argv, nproc))
+    wall = (long - short) / (times[1] - times[0]) if times[1] > times[0] else float("nan")
+    return read_clock(stamps / f"{side}-{long}"), wall
+
+
+async def back_to_back(rounds: int, nproc: int = 2) -> dict[str, Any]:
+    """`rounds` alternating rounds per model; each side's steps/s and ddpd's ratios to torchrun."""
+    from benchmarks.common import start_daemon, stop_daemon
+
+    slots = max(nproc, os.cpu_count() or 1)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="ddpd-b2b-") as tmp:
+        base = Path(tmp)
+        daemons = {"pooled": await start_daemon(base, "pooled", config={"cpu_slots": slots}),
+                   "cold": await start_daemon(base, "cold", config={"cpu_slots": slots, "pool_size": 0})}
+        try:
+            for model in MODELS:
+                rows = []
+                for n in range(rounds):
+                    rates = {side: await b2b_rate(side, daemons, model, nproc, base / f"{model[0]}-{n}")
+                             for side in (B2B_SIDES if n % 2 == 0 else B2B_SIDES[::-1])}
+                    row = {side: clock for side, (clock, _) in rates.items()}
+                    row.update({f"{side}_wall": wall for side, (_, wall) in rates.items()})
+                    rows.append({**row, "pooled_ratio": row["pooled"] / row["torchrun"],
+                                 "cold_ratio": row["cold"] / row["torchrun"],
+                                 "pooled_wall_ratio": row["pooled_wall"] / row["torchrun_wall"]})
+                    print(f"{model[0]} round {n + 1}: pooled {row['pooled']:.1f} steps/s, cold {row['cold']:.1f}, "
+                          f"torchrun {row['torchrun']:.1f}; ratios {rows[-1]['pooled_ratio']:.3f} (pooled), "
+                          f"{rows[-1]['cold_ratio']:.3f} (cold); from wall times {rows[-1]['pooled_wall_ratio']:.3f} "
+                          f"(pooled)", flush=True)
+                results[model[0]] = rows
+        finally:
+            for d in daemons.values():
+                await stop_daemon(d)
+    return results
+
+
+def spread(rows: list[dict[str, float]], key: str) -> str:
+    values = [r[key] for r in rows]
+    return f"{statistics.median(values):.3f}x [{min(values):.3f}-{max(values):.3f}]"
+
+
+def b2b_summary(results: dict[str, Any]) -> str:
+    return "; ".join(f"back to back, {label}: ddpd/torchrun steps/s pooled {spread(rows, 'pooled_ratio')}, cold "
+                     f"{spread(rows, 'cold_ratio')} over {len(rows)} rounds (target >= 0.98); from wall-time "
+                     f"differences, pooled {spread(rows, 'pooled_wall_ratio')}" for label, rows in results.items())
+
+
+async def bench_loop(ctx: Any) -> None:
+    """The suite's entry (``BENCHES["loop"]``): the default comparison, recorded per launcher, then the
+    back-to-back one (``loop.b2b.<model>``: pooled as ddpd, cold as ddpd (cold), and torchrun)."""
+    from benchmarks.common import DDPD, DDPD_COLD, TORCHRUN_NAME
+
+    result = await compare(parse_args(["--rounds", "2"] if ctx.plan.short else []))
     metric = ctx.results.metric("loop.steps", "loop", f"loop steps/s ({result['model']}, 2 ranks, CPU)", "steps/s",
                                 higher_is_better=True)
     for row in result["rounds"]:
         metric.add(DDPD, row["ddpd"])
         metric.add(TORCHRUN_NAME, row["torchrun"])
     metric.notes.append(summary(result))
+    b2b = await back_to_back(2 if ctx.plan.short else 3)
+    for label, rows in b2b.items():
+        m = ctx.results.metric(f"loop.b2b.{label}", "loop", f"back-to-back steps/s ({label}, 2 ranks, CPU)",
+                               "steps/s", higher_is_better=True)
+        for row in rows:
+            m.add(DDPD, row["pooled"])
+            m.add(DDPD_COLD, row["cold"])
+            m.add(TORCHRUN_NAME, row["torchrun"])
+        m.notes.append(b2b_summary({label: rows}))
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -244,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import anyio
 
+    if args.back_to_back:
+        b2b = anyio.run(back_to_back, args.rounds, args.nproc)
+        print(b2b_summary(b2b), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(b2b, indent=2))
+        return 0
     result = anyio.run(compare, args)
     print(summary(result), flush=True)
     if args.json:

@@ -108,6 +108,10 @@ def targets(results: Results) -> list[Target]:
                       check(v, v < 0.2)))
     r = ratio("throughput", DDPD, TORCHRUN_NAME)
     out.append(Target("throughput ≥ 0.98 of torchrun's", fmt_ratio(r), check(r, r >= 0.98)))
+    for label in ("tiny", "4x1024"):  # benchmarks.loop: jobs back to back, the pool refilling behind them
+        r = ratio(f"loop.b2b.{label}", DDPD, TORCHRUN_NAME)
+        out.append(Target(f"back-to-back steps/s ({label}), pooled, ≥ 0.98 of torchrun's", fmt_ratio(r),
+                          check(r, r >= 0.98)))
     v = med("scale_start")
     out.append(Target("500 simulated workers: submit → all RUNNING < 5 s", f"{fmt(v, 's')} s", check(v, v < 5)))
     v = med("scale_cpu")
