@@ -166,6 +166,15 @@ class GpuHealth:
             if attempt is not None:
                 attempt.gpu_fault(f"{gpu_name(device)}: {what}")
 
+    def fault_on(self, gpus: list[str]) -> str | None:
+        """The root cause of a job given `gpus` one of which is quarantined ("GPU 3 (...): Xid 79, ..."), or None."""
+        for entry in dict.fromkeys(gpus):
+            record = self.held.get(entry)
+            device = self.resources.device(entry)
+            if record is not None and device is not None:
+                return f"{gpu_name(device)}: {record.reason}"
+        return None
+
     def must_move(self, gpus: list[str]) -> bool:
         """Whether a job given `gpus` holds a quarantined one (its restart must be placed again)."""
         return any(e in self.resources.quarantined for e in gpus)

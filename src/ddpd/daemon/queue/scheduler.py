@@ -348,6 +348,8 @@ class Scheduler:
                 attempt.request_cancel(job.cancel_requested, force=False)
             elif not self.accepting:
                 attempt.request_shutdown()
+            elif (fault := self.health.fault_on(job.gpus)) is not None:  # quarantined since it was placed
+                attempt.gpu_fault(fault)
             outcome = await attempt.run()
             job.root_cause = outcome.root_cause
             free = 0 if nodes is None else nodes.membership_changes  # re-forms for joining nodes: not restarts
