@@ -37,7 +37,7 @@ _TIMEOUTS = {
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
           "max_restarts", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id",
-          "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call", "notify", "notify_url")
+          "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call", "notify", "notify_url", "preemptible")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
 
@@ -110,6 +110,9 @@ _OPTIONS: list[Callable[[F], F]] = [
     click.option("--max-restarts", type=int, default=None, metavar="N"),
     click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
     click.option("--priority", type=int, default=None, metavar="N"),
+    click.option("--preemptible", is_flag=True, default=None,
+                 help="A job of higher priority may stop this one (at an agreed step, checkpointed) and requeue it; "
+                 "on a script, says it honours the stop API (ddpd.worker.api.should_stop)."),
     click.option("--mem", "mem", default=None, metavar="SIZE",
                  help="Memory limit of the job's cgroup (512M, 8G), where the daemon has the memory controller."),
     click.option("--cpus", type=float, default=None, metavar="N",

@@ -1,0 +1,85 @@
+"""Preemption with real ranks: a job of higher priority on a full box stops a preemptible one at an
+agreed step; the preempted job checkpoints before its ranks exit, goes PREEMPTED -> QUEUED (who, at
+which step), resumes from that checkpoint once the box is free, and ends with the same parameters
+(checksum) as a run never interrupted. The preemption is repeated as often as fits in about a minute.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.protocol import JobState
+from ddpd.protocol.control import EventView, JobView
+
+from ..conftest import DaemonProc, running_daemon
+from ..scripts.helpers import state_is
+
+pytestmark = pytest.mark.anyio
+
+SLOW = "tests.tasks:slow"
+STEPS = 1200
+ROUNDS = (2, 5)  # preemptions: at least, at most
+BUDGET = 60.0  # seconds for the rounds after the first two
+TIMEOUT = 120
+
+
+def low(d: DaemonProc, step_sleep: float) -> object:
+    return d.spec(task=SLOW, nproc=2, steps=STEPS, seed=7, priority=-1, preemptible=True,
+                  options={"step_sleep": step_sleep}, timeouts={"kill_grace": 30.0})
+
+
+async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:
+    async with d.client.events(job_id) as stream:
+        return [e async for e in stream]
+
+
+def checksums(view: JobView) -> list[float | None]:
+    return [r.checksum for r in view.ranks]
+
+
+async def preempt_once(d: DaemonProc, job_id: str, attempt: int, after: int) -> int:
+    """Preempt attempt `attempt` of the job once it trained past step `after`; the step it stopped at."""
+    await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.attempt == attempt
+                       and e.data["step"] > after, TIMEOUT)
+    urgent = await d.client.submit(d.spec(task="two-layer", nproc=2, steps=2, priority=10))
+    preempted = await d.wait_event(job_id, lambda e: state_is("PREEMPTED")(e) and e.attempt == attempt, TIMEOUT)
+    assert preempted.data["by"] == urgent and preempted.data["from"] == "RUNNING", preempted
+    step = preempted.data["step"]
+    mine = [e for e in await events_of(d, job_id) if e.attempt == attempt]
+    saved = [e for e in mine if e.kind == "job.checkpointed"]
+    exits = [e for e in mine if e.kind == "rank.exited"]
+    assert [e.data["step"] for e in saved] == [step], saved  # the checkpoint is of the agreed step
+    assert len(exits) == 2 and all(e.seq > saved[0].seq for e in exits), (saved, exits)  # before any rank left
+    assert not [e for e in mine if e.kind == "job.teardown"], "the ranks stopped unsignalled"
+    requeued = next(e for e in await events_of(d, job_id) if state_is("QUEUED")(e) and e.seq > preempted.seq)
+    assert (requeued.data["from"], requeued.data["by"], requeued.data["step"]) == ("PREEMPTED", urgent, step)
+    with anyio.fail_after(TIMEOUT):
+        assert (await d.client.wait(urgent)).state == JobState.SUCCEEDED
+    return int(step)
+
+
+async def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_checkpoint(
+        short_tmp: Path) -> None:
+    config = short_tmp / "ddpd.toml"
+    config.write_text("preempt_min_run = 0\n")
+    async with running_daemon(short_tmp, "--config", str(config), "--cpu-slots", "2", "--gpus", "0") as d:
+        reference = await d.run(low(d, 0.0), TIMEOUT)  # never interrupted (no sleep: the same arithmetic)
+        assert reference.state == JobState.SUCCEEDED, reference.root_cause
+        job_id = await d.client.submit(low(d, 0.01))
+        steps: list[int] = []
+        deadline = time.monotonic() + BUDGET
+        while len(steps) < ROUNDS[0] or (len(steps) < ROUNDS[1] and time.monotonic() < deadline):
+            steps.append(await preempt_once(d, job_id, len(steps) + 1, steps[-1] + 10 if steps else 10))
+            first = await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.attempt == len(steps) + 1,
+                                       TIMEOUT)
+            assert first.data["step"] > steps[-1], (first, steps)  # resumed from the checkpoint, not from 0
+        assert steps == sorted(steps) and len(set(steps)) == len(steps), steps
+        with anyio.fail_after(TIMEOUT):
+            done = await d.client.wait(job_id)
+        assert done.state == JobState.SUCCEEDED and done.attempt == len(steps) + 1, done
+        assert all(r.step == STEPS for r in done.ranks)
+        assert checksums(done) == checksums(reference) and None not in checksums(done), (done.ranks, reference.ranks)
