@@ -161,16 +161,9 @@ class EventWatch:
         return faults
 
     def close(self) -> None:
-        """Stop: the next wait returns at once; the set is freed by the thread that waited last."""
+        """Stop: the next wait returns at once. The event set is kept (one per daemon, for its life):
+        freeing it while a thread may still wait on it is not safe."""
         self._closed.set()
-
-    def free(self) -> None:
-        if self._set is not None and self._lib is not None:
-            try:
-                self._lib.nvmlEventSetFree(self._set)
-            except Exception:  # freeing a set of a GPU gone: nothing more to do
-                pass
-            self._set = None
 
 
 def _probe_one(index: int) -> str | None:
