@@ -9,9 +9,10 @@ attempt (or the job's rendezvous). Connections from other machines are not this 
 (see docs/multinode.md for what a multi-node job must trust).
 
 Each rule carries a comment naming its daemon (a tag derived from the state directory, so two
-daemons on one host never touch each other's rules) and its job; `sweep` removes a previous run's
-leftovers at the daemon's start. Where ``nft`` is missing or refuses (no CAP_NET_ADMIN, no
-nf_tables), `FenceError` says why; the attempt reports it as a job event and goes on unfenced.
+daemons on one host never touch each other's rules, and its pid) and its job; `sweep` removes, at
+the daemon's start, a previous run's leftovers and the rules of daemons that are gone. Where
+``nft`` is missing or refuses (no CAP_NET_ADMIN, no nf_tables, not root), `FenceError` says why;
+the attempt reports it as a job event and goes on unfenced.
 
 Blocking calls (they run ``nft``): call them from a thread.
 """
@@ -36,6 +37,7 @@ CHAIN = "output"
 NFT_TIMEOUT = 10.0
 _HANDLE = re.compile(r"# handle (\d+)\s*$")
 _LABEL = re.compile(r"^[A-Za-z0-9._:/-]{1,64}$")
+_OWNER = re.compile(r'comment "(ddpd-[0-9a-f]+) p(\d+) ')  # the daemon's tag and pid
 
 
 class FenceError(RuntimeError):
@@ -92,7 +94,7 @@ def install(port: int, uid: int, tag: str, label: str) -> Fence:
         raise FenceError(f"bad fence request: port {port}, label {label!r}")
     script = (f"add table inet {TABLE}\n"
               f"add chain inet {TABLE} {CHAIN} {{ type filter hook output priority 0; policy accept; }}\n"
-              f"add rule inet {TABLE} {CHAIN} {rule_text(port, {0, uid}, f'{tag} {label}')}\n")
+              f"add rule inet {TABLE} {CHAIN} {rule_text(port, {0, uid}, f'{tag} p{os.getpid()} {label}')}\n")
     out = _nft("--echo", "--handle", "-f", "-", script=script)
     for line in out.splitlines():
         if line.startswith("add rule") and (found := _HANDLE.search(line)):
@@ -100,22 +102,34 @@ def install(port: int, uid: int, tag: str, label: str) -> Fence:
     raise FenceError(f"nft did not say which rule it added: {out.strip()[:300]!r}")
 
 
-def rules(tag: str) -> dict[int, str]:
-    """Blocking: this daemon's rules now, by handle (none when the table is not there)."""
+def rules(tag: str | None = None) -> dict[int, str]:
+    """Blocking: the rules of the daemon tagged `tag` (every ddpd rule: None) now, by handle (none
+    when the table is not there)."""
     try:
         out = _nft("--handle", "list", "chain", "inet", TABLE, CHAIN)
     except FenceError:
         return {}
     found = {}
     for line in out.splitlines():
-        if f'comment "{tag} ' in line and (match := _HANDLE.search(line)):
+        owner = _OWNER.search(line)
+        if owner is not None and tag in (None, owner.group(1)) and (match := _HANDLE.search(line)):
             found[int(match.group(1))] = line.strip()
     return found
 
 
+def _daemon_alive(pid: int) -> bool:
+    try:
+        return b"ddpd" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def sweep(tag: str) -> int:
-    """Blocking, at the daemon's start: remove the rules a previous run of this daemon left."""
-    left = rules(tag)
+    """Blocking, at the daemon's start: remove the rules a previous run of this daemon left, and
+    those of any daemon that is gone (killed, its state directory never served again)."""
+    left = [handle for handle, line in rules().items()
+            if (owner := _OWNER.search(line)) is not None
+            and (owner.group(1) == tag or not _daemon_alive(int(owner.group(2))))]
     for handle in left:
         Fence(port=0, handle=handle).remove()
     if left:
