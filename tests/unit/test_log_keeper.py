@@ -90,9 +90,10 @@ async def test_only_the_rank_that_wrote_is_looked_at_and_its_rotation_is_told(tm
     ranks = [Rank(tmp_path, r) for r in range(RANKS)]
     events = journal.bus.subscribe()
     async with kept(journal, ranks, max_bytes=64 * 1024) as (keeper, _):
+        await until(lambda: keeper.ranks_looked == RANKS)  # each once, as it was added
         os.write(ranks[7].writers[0], b"hello\n")
         await until(lambda: ranks[7].index() == [6])
-        assert keeper.ranks_looked == 1  # a polling keeper would have looked at all of them
+        assert keeper.ranks_looked == RANKS + 1  # a polling keeper would have looked at all of them again
         assert all(r.index(s) == [] for r in ranks for s in (0, 1) if (r, s) != (ranks[7], 0))
 
         os.write(ranks[3].writers[1], b"x" * 99 + b"\n" * 1 + b"y" * 100_000 + b"\n")  # past the limit
@@ -100,7 +101,14 @@ async def test_only_the_rank_that_wrote_is_looked_at_and_its_rotation_is_told(tm
             event = await events.receive()
         assert (event.kind, event.rank, event.data["stream"]) == ("rank.log_rotated", 3, "stderr")
         assert (await anyio.Path(f"{ranks[3].paths[1]}.1").stat()).st_size == event.data["kept"] > 0
-        assert keeper.ranks_looked <= 3  # rank 7, rank 3 (perhaps twice: its truncation is a write too)
+        assert keeper.ranks_looked <= RANKS + 3  # rank 7, rank 3 (perhaps twice: its truncation is a write too)
+
+
+async def test_what_a_rank_wrote_before_its_watch_is_indexed_too(tmp_path: Path, journal: Journal) -> None:
+    ranks = [Rank(tmp_path, r) for r in range(2)]
+    os.write(ranks[1].writers[0], b"early\n")  # a warning at the interpreter's start, say
+    async with kept(journal, ranks):
+        await until(lambda: ranks[1].index() == [6])  # no write since: the first look found it
 
 
 async def test_a_ranks_last_look_stamps_what_it_wrote_last(tmp_path: Path, journal: Journal) -> None:

@@ -5,7 +5,9 @@ daemon's own fd of it). Its task (`run`) sleeps until a watched file is written 
 the next tick (`logindex.TICK` after its last look, so a stamp is still within a tick) and looks at
 the ranks whose logs changed, all in one call off the loop (on the job-file limiter, shielded and
 bounded by ROTATE_TIMEOUT): an index entry for what grew, a rotation for a log past its limit
-(`logindex.tick`). A rank that writes nothing costs nothing, however many there are.
+(`logindex.tick`). A rank is also looked at once at the first tick after its watches were added
+(what it wrote before they were there). A rank that writes nothing costs nothing after that,
+however many there are.
 
 Where no watch can be had (inotify missing, or the user's instance or watch limit reached) the
 streams are polled instead, every tick, all of the attempt's in one call; an overflowed event
@@ -70,6 +72,7 @@ class LogKeeper:
         self.journal, self.job, self.attempt = journal, job, attempt
         self._by_wd: dict[int, Watched] = {}
         self._polled: set[Watched] = set()
+        self._fresh: set[Watched] = set()  # added since the last look: what they wrote before is looked at
         self._all: set[Watched] = set()
         self._lock = anyio.Lock()  # one look at a time: a rank's last look waits for the tick's
         self._waiting: anyio.CancelScope | None = None
@@ -99,9 +102,10 @@ class LogKeeper:
                             error=str(exc))
             w.polled = True
             self._polled.add(w)
-            if self._waiting is not None:
-                self._waiting.cancel()  # the keeper waits on inotify alone: it polls from now on
         self._all.add(w)
+        self._fresh.add(w)  # a rank may have written before its watch was there: one look at the next tick
+        if self._waiting is not None:
+            self._waiting.cancel()
         return w
 
     async def run(self) -> None:
@@ -115,6 +119,8 @@ class LogKeeper:
                     await self._look(due)
 
     async def _wait_for_growth(self) -> None:
+        if self._fresh:
+            return
         with anyio.CancelScope() as self._waiting:
             if self._inotify is None:
                 await anyio.sleep(TICK)
@@ -127,7 +133,8 @@ class LogKeeper:
 
     def _due(self) -> list[Watched]:
         """The ranks to look at now: those whose logs were written to, and the polled ones."""
-        due = set(self._polled)
+        due = self._polled | self._fresh
+        self._fresh = set()
         if self._inotify is not None:
             fired, overflow = self._inotify.read()
             if overflow:
@@ -139,6 +146,7 @@ class LogKeeper:
         """The rank has exited: no more watching; one last look, shielded and bounded."""
         self._all.discard(w)
         self._polled.discard(w)
+        self._fresh.discard(w)
         for wd in w.wds:
             self._by_wd.pop(wd, None)
             if self._inotify is not None:
