@@ -21,9 +21,9 @@ from ..scripts.helpers import state_is
 pytestmark = pytest.mark.anyio
 
 SLOW = "tests.tasks:slow"
-STEPS = 1200
-ROUNDS = (2, 5)  # preemptions: at least, at most
-BUDGET = 60.0  # seconds for the rounds after the first two
+STEPS = 800
+ROUNDS = (2, 6)  # preemptions: at least, at most (as many as fit in BUDGET)
+BUDGET = 45.0  # seconds for the rounds (the file stays well under two minutes)
 TIMEOUT = 120
 
 
@@ -53,7 +53,9 @@ async def preempt_once(d: DaemonProc, job_id: str, attempt: int, after: int) -> 
     saved = [e for e in mine if e.kind == "job.checkpointed"]
     exits = [e for e in mine if e.kind == "rank.exited"]
     assert [e.data["step"] for e in saved] == [step], saved  # the checkpoint is of the agreed step
-    assert len(exits) == 2 and all(e.seq > saved[0].seq for e in exits), (saved, exits)  # before any rank left
+    # rank 0 writes the checkpoint (rank 1 may leave first: it holds nothing rank 0 lacks); it left after
+    assert sorted(e.rank for e in exits) == [0, 1] and all(e.data["exit_code"] == 0 for e in exits), exits
+    assert next(e.seq for e in exits if e.rank == 0) > saved[0].seq, (saved, exits)
     assert not [e for e in mine if e.kind == "job.teardown"], "the ranks stopped unsignalled"
     requeued = next(e for e in await events_of(d, job_id) if state_is("QUEUED")(e) and e.seq > preempted.seq)
     assert (requeued.data["from"], requeued.data["by"], requeued.data["step"]) == ("PREEMPTED", urgent, step)
