@@ -233,7 +233,7 @@ async def compare(args: argparse.Namespace) -> dict[str, Any]:
 # -- back to back: short and long runs, pooled, cold and torchrun, alternating ----------------------
 
 # (label, layers, width, batch, short steps, long steps)
-MODELS = (("tiny", 2, 32, 8, 200, 4200), ("4x1024", 4, 1024, 64, 20, 420))
+MODELS = (("tiny", 2, 32, 8, 200, 4200), ("4x1024", 4, 1024, 64, 20, 220))
 B2B_SIDES = ("pooled", "cold", "torchrun")
 
 
