@@ -24,6 +24,7 @@ from ddpd.protocol import JobSpec, JobState
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import state_is, wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON, user_pythonpath
+from .test_cli import DDPCTL
 from .users import public_dir, two_users, user_python_for_tests
 
 pytestmark = [
@@ -75,6 +76,15 @@ async def submit_as(who: Identity, d: DaemonProc, specs: list[JobSpec]) -> list[
     return done.stdout.decode().split()
 
 
+async def ddpctl(d: DaemonProc, *args: str) -> str:
+    """What `ddpctl ARGS` prints (a real client process, 200 columns wide)."""
+    with anyio.fail_after(60):
+        done = await anyio.run_process([DDPCTL, "--socket", str(d.socket), *args], check=False,
+                                       stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
+
+
 def shared_daemon(base: Path) -> Any:
     config = base / "ddpd.toml"
     config.write_text('socket_mode = "0666"\n')
@@ -106,6 +116,9 @@ async def test_the_user_who_used_less_goes_first_and_usage_survives_a_restart(
         shares = {v.uid: v for v in (await d.client.share()).users}
         assert shares[alice.uid].cpu_seconds > shares[bob.uid].cpu_seconds > 0, shares
         assert (shares[alice.uid].running, shares[alice.uid].queued) == (0, 0)
+        table = await ddpctl(d, "share")
+        assert table.index(f"{bob.name} ({bob.uid})") < table.index(f"{alice.name} ({alice.uid})"), table  # next first
+        assert "share" in (await ddpctl(d, "ls")).splitlines()[1], "ls has a share column"
         assert_nothing_left(done)
     async with shared_daemon(public_tmp) as d:
         again = {v.uid: v for v in (await d.client.share()).users}

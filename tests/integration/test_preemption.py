@@ -50,6 +50,8 @@ async def preempt_once(d: DaemonProc, job_id: str, attempt: int, after: int) -> 
     assert preempted.data["by"] == urgent and preempted.data["from"] == "RUNNING", preempted
     step = preempted.data["step"]
     mine = [e for e in await events_of(d, job_id) if e.attempt == attempt]
+    asked = [e for e in mine if e.kind == "job.preempt_requested"]
+    assert [(e.data["by"], e.data["by_priority"]) for e in asked] == [(urgent, 10)], asked
     saved = [e for e in mine if e.kind == "job.checkpointed"]
     exits = [e for e in mine if e.kind == "rank.exited"]
     assert [e.data["step"] for e in saved] == [step], saved  # the checkpoint is of the agreed step

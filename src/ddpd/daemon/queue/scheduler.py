@@ -6,6 +6,7 @@ before it is published: a submission whose row cannot be written raises StorageE
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -251,7 +252,9 @@ class Scheduler:
         if attempt is None or attempt.outcome is not None:
             return
         self.preempting[victim.id] = by.id
-        log.info("job.preempting", job_id=victim.id, by=by.id, by_uid=by.owner_uid, priority=by.spec.priority)
+        if self._tg is not None:  # the event (who, for which priority) while the ranks agree on a step
+            self._tg.start_soon(functools.partial(self.journal.event, victim, "job.preempt_requested", by=by.id,
+                                                  by_uid=by.owner_uid, by_priority=by.spec.priority))
         attempt.conclude(Outcome(AttemptEnd.PREEMPTED, f"preempted by {by.id}", graceful=True))
 
     def _charge(self, jobs: list[Job], now: float) -> None:
