@@ -1,7 +1,8 @@
 """Preemption with real ranks: a job of higher priority on a full box stops a preemptible one at an
 agreed step; the preempted job checkpoints before its ranks exit, goes PREEMPTED -> QUEUED (who, at
 which step), resumes from that checkpoint once the box is free, and ends with the same parameters
-(checksum) as a run never interrupted. The preemption is repeated as often as fits in about a minute.
+(checksum) as a run never interrupted. The preemption is repeated as often as fits in half a minute
+(at least twice). A daemon restart while a preempted job checkpoints loses no job and runs none twice.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.anyio
 SLOW = "tests.tasks:slow"
 STEPS = 800
 ROUNDS = (2, 6)  # preemptions: at least, at most (as many as fit in BUDGET)
-BUDGET = 45.0  # seconds for the rounds (the file stays well under two minutes)
+BUDGET = 30.0  # seconds for the rounds (the file stays within about two minutes)
 TIMEOUT = 120
 
 
@@ -87,3 +88,36 @@ async def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from
         assert done.state == JobState.SUCCEEDED and done.attempt == len(steps) + 1, done
         assert all(r.step == STEPS for r in done.ranks)
         assert checksums(done) == checksums(reference) and None not in checksums(done), (done.ranks, reference.ranks)
+
+
+async def test_a_daemon_restart_while_a_preempted_job_checkpoints_loses_nothing_and_runs_nothing_twice(
+        short_tmp: Path) -> None:
+    config = short_tmp / "ddpd.toml"
+    config.write_text("preempt_min_run = 0\n")
+    flags = ("--config", str(config), "--cpu-slots", "2", "--gpus", "0")
+    steps = 120
+    async with running_daemon(short_tmp, *flags) as d:
+        victim = await d.client.submit(d.spec(task=SLOW, nproc=2, steps=steps, seed=7, preemptible=True,
+                                              options={"step_sleep": 0.05}, timeouts={"kill_grace": 30.0}))
+        await d.wait_event(victim, lambda e: e.kind == "rank.progress" and e.data["step"] > 5, TIMEOUT)
+        urgent = await d.client.submit(d.spec(task="two-layer", nproc=2, steps=2, priority=10))
+        await d.wait_event(victim, lambda e: e.kind == "job.preempt_requested", TIMEOUT)
+    # the daemon stopped (SIGTERM) while the ranks agreed on a step: the next one finds both queued
+    async with running_daemon(short_tmp, *flags) as d:
+        found = {v.id: v.state for v in await d.client.list_jobs()}
+        assert found.keys() == {victim, urgent} and found[victim] == "QUEUED", found  # urgent may be starting
+        first = await d.wait_event(victim, lambda e: e.kind == "rank.progress" and e.attempt == 2, TIMEOUT)
+        with anyio.fail_after(TIMEOUT):
+            done, other = await d.client.wait(victim), await d.client.wait(urgent)
+        assert (done.state, done.attempt, other.state, other.attempt) == ("SUCCEEDED", 2, "SUCCEEDED", 1), (done, other)
+        assert all(r.step == steps for r in done.ranks)
+        events = await events_of(d, victim)
+        preempted = [e for e in events if state_is("PREEMPTED")(e)]
+        saved = [e.data["step"] for e in events if e.kind == "job.checkpointed" and e.attempt == 1]
+        assert len(preempted) == 1 and saved == [preempted[0].data["step"]], (preempted, saved)
+        assert first.data["step"] > saved[0], (first, saved)  # resumed from the checkpoint
+        assert other.finished_at is not None and done.started_at is not None
+        restarted = next(e for e in events if state_is("STARTING")(e) and e.attempt == 2)
+        assert restarted.ts >= other.finished_at  # the job of higher priority ran first
+        for job_id in (victim, urgent):
+            assert [e.kind for e in await events_of(d, job_id)].count("job.finished") == 1
