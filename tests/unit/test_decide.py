@@ -4,6 +4,7 @@ what starts and why the rest wait, which jobs a higher-priority job preempts, an
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,10 @@ from ddpd.daemon.queue import decide
 from ddpd.daemon.queue.decide import Preempt, Running, Wait
 from ddpd.daemon.queue.fairshare import FairShare, Usage
 from ddpd.daemon.queue.resources import Resources
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.journal import Journal
 from ddpd.daemon.store.records import Job
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState
 
 ALICE, BOB = 1001, 1002
@@ -150,3 +154,19 @@ def test_fair_share_charges_running_jobs_on_a_fake_clock() -> None:
     assert share.charge([a, b], 140.0) == {ALICE}  # b let go: no more charges
     now = share.now(140.0)
     assert now[ALICE].cpu_seconds == 80.0 and now[BOB].cpu_seconds == 20.0
+
+
+@pytest.mark.anyio
+async def test_usage_is_saved_and_loaded_through_the_journal(tmp_path: Path) -> None:
+    db = StateDB(tmp_path / "ddpd.db")
+    try:
+        share = FairShare(Journal(db, EventBus()), half_life=HOUR)
+        a = job(1, nproc=2)
+        share.start(a, 0.0)
+        await share.save(share.stop(a, 60.0))
+        again = FairShare(Journal(db, EventBus()), half_life=HOUR)  # a daemon restart
+        await again.load()
+        assert again.usage == {ALICE: Usage(0.0, 120.0, 60.0)}
+        assert again.now(60.0 + HOUR)[ALICE].cpu_seconds == pytest.approx(60.0)  # decays from where it was
+    finally:
+        db.close()
