@@ -170,3 +170,15 @@ async def test_usage_is_saved_and_loaded_through_the_journal(tmp_path: Path) -> 
         assert again.now(60.0 + HOUR)[ALICE].cpu_seconds == pytest.approx(60.0)  # decays from where it was
     finally:
         db.close()
+
+
+def test_running_charges_are_saved_now_and_then_not_at_every_decision() -> None:
+    share = FairShare(_NoJournal(), half_life=0.0)  # type: ignore[arg-type]
+    a = job(1)
+    share.start(a, 0.0)
+    share.charge([a], 1.0)
+    assert share.due(1.0) == {ALICE}
+    share.charge([a], 2.0)
+    assert share.due(2.0) == set()  # saved a second ago
+    assert share.due(40.0) == {ALICE}  # charged since, and the interval passed
+    assert share.due(80.0) == set()  # nothing charged since

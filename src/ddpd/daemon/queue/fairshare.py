@@ -3,8 +3,9 @@
 A running job charges its owner for the GPUs and CPU slots it holds (`Resources.need`) for as long as
 it holds them; usage decays by half every `half_life` seconds, as Slurm's fair-share usage does. The
 scheduler charges at each decision and when a job lets its resources go, and saves the users charged
-through the journal (table `usage`), so usage outlives a daemon restart; what a job used since the
-last save is lost if the daemon dies (at most the time since its last scheduling decision).
+through the journal (table `usage`): at a job's end, at shutdown, and every SAVE_EVERY seconds of
+decisions between, so usage outlives a daemon restart; what running jobs used since the last save is
+lost if the daemon dies.
 
 `Usage` and its arithmetic are pure; `FairShare` holds the users' usage and what each running job
 was last charged up to.
@@ -47,6 +48,9 @@ class Usage:
         return Usage(base.gpu_seconds + gpus * seconds, base.cpu_seconds + cpus * seconds, base.at)
 
 
+SAVE_EVERY = 30.0  # seconds between saves of the running jobs' charges (a job's end is saved at once)
+
+
 class FairShare:
     """Every user's usage; charges running jobs and saves what changed through the journal."""
 
@@ -55,6 +59,8 @@ class FairShare:
         self.half_life = half_life
         self.usage: dict[int, Usage] = {}
         self._charged: dict[str, float] = {}  # running job id -> charged up to (wall clock)
+        self._unsaved: set[int] = set()  # users charged since their usage was last saved
+        self._saved_at = float("-inf")
 
     async def load(self) -> None:
         self.usage = {uid: Usage(*row) for uid, row in (await self.journal.load_usage()).items()}
@@ -75,6 +81,14 @@ class FairShare:
             self.usage[job.owner_uid] = old.plus(gpus, cpus, max(0.0, now - since), now, self.half_life)
             self._charged[job.id] = now
             users.add(job.owner_uid)
+        self._unsaved |= users
+        return users
+
+    def due(self, now: float) -> set[int]:
+        """The users to save now: those charged since the last save, once every SAVE_EVERY seconds."""
+        if now - self._saved_at < SAVE_EVERY:
+            return set()
+        self._saved_at, users, self._unsaved = now, self._unsaved, set()
         return users
 
     def stop(self, job: Job, now: float) -> set[int]:

@@ -258,8 +258,8 @@ class Scheduler:
         attempt.conclude(Outcome(AttemptEnd.PREEMPTED, f"preempted by {by.id}", graceful=True))
 
     def _charge(self, jobs: list[Job], now: float) -> None:
-        users = self.share.charge(jobs, now)
-        if users and self._tg is not None:
+        self.share.charge(jobs, now)
+        if (users := self.share.due(now)) and self._tg is not None:  # saved now and then, not at every wake
             self._tg.start_soon(self.share.save, users)
 
     async def _dependencies_met(self, job: Job) -> bool:
@@ -340,6 +340,7 @@ class Scheduler:
 
     async def _attempt_loop(self, job: Job, timeouts: JobTimeouts, nodes: NodeSession | None) -> None:
         while True:
+            self.preempting.pop(job.id, None)  # an attempt that ended otherwise (failed, restarts) was not preempted
             job.attempt += 1
             job.ranks = []
             job.root_cause = None
