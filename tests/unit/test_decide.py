@@ -128,6 +128,9 @@ def test_the_policy_band_takes_tasks_and_takes_scripts_only_where_allowed() -> N
     assert not decide.preemptible(job(1, priority=-1, script=True).spec, band)  # may not honour the stop API
     assert decide.preemptible(job(1, priority=-1, script=True).spec, cfg(preemptible_below=0, preempt_scripts=True))
     assert decide.preemptible(job(1, script=True, preemptible=True).spec, cfg())  # it said it honours it
+    spread = dataclasses.replace(job(1, preemptible=True), spec=JobSpec(task="two-layer", preemptible=True,
+                                                                      rdzv_endpoint="node0:29400"))
+    assert not decide.preemptible(spread.spec, band)  # a multi-node job: its other nodes would fail
 
 
 def test_usage_decays_by_half_each_half_life_and_charges_what_a_job_holds() -> None:

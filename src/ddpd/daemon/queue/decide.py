@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ...protocol import JobSpec
-from ...protocol.spec import dependency_ids
+from ...protocol.spec import dependency_ids, is_multinode
 from ..config import Config
 from ..store.records import Job
 from .admission import over_user_gpus
@@ -86,7 +86,10 @@ def order(queue: Sequence[Job], fair: Mapping[int, float]) -> list[Job]:
 
 def preemptible(spec: JobSpec, config: Config) -> bool:
     """Whether a job may be preempted: it asked (--preemptible), or the policy's priority band says so,
-    which takes a script (that may not honour the stop API) only where `preempt_scripts` is set."""
+    which takes a script (that may not honour the stop API) only where `preempt_scripts` is set. A
+    multi-node job never is: its other nodes would re-form or fail without it."""
+    if is_multinode(spec):
+        return False
     if spec.preemptible:
         return True
     below = config.preemptible_below
