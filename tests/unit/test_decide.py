@@ -11,7 +11,7 @@ import pytest
 from ddpd.daemon.config import Config
 from ddpd.daemon.queue import decide
 from ddpd.daemon.queue.decide import Preempt, Running, Wait
-from ddpd.daemon.queue.fairshare import FairShare, Usage
+from ddpd.daemon.queue.fairshare import SHARE_USERS, FairShare, Usage, share_views
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.journal import Journal
@@ -185,3 +185,14 @@ def test_running_charges_are_saved_now_and_then_not_at_every_decision() -> None:
     assert share.due(2.0) == set()  # saved a second ago
     assert share.due(40.0) == {ALICE}  # charged since, and the interval passed
     assert share.due(80.0) == set()  # nothing charged since
+
+
+def test_the_share_table_lists_users_with_usage_or_jobs_next_served_first() -> None:
+    a1, a2, b1 = job(1), job(2), job(3, BOB)
+    usage = {ALICE: Usage(0.0, 300.0, 0.0), 7: Usage(0.0, 100.0, 0.0)}
+    factors = decide.factors({uid: u.total for uid, u in usage.items()}, {ALICE, BOB, 7})
+    views = share_views(usage, factors, [a1, a2, b1], running={"j1"})
+    assert [(v.uid, v.running, v.queued, v.usage) for v in views] == [(BOB, 0, 1, 0.0), (7, 0, 0, 0.25),
+                                                                       (ALICE, 1, 1, 0.75)]
+    many = {uid: Usage(0.0, 1.0, 0.0) for uid in range(SHARE_USERS + 5)}
+    assert len(share_views(many, {}, [], set())) == SHARE_USERS  # one frame, however many users ran

@@ -48,6 +48,7 @@ class Usage:
         return Usage(base.gpu_seconds + gpus * seconds, base.cpu_seconds + cpus * seconds, base.at)
 
 
+SHARE_USERS = 2000  # users in a `share` reply at most
 SAVE_EVERY = 30.0  # seconds between saves of the running jobs' charges (a job's end is saved at once)
 
 
@@ -110,7 +111,8 @@ class FairShare:
 
 def share_views(usage: Mapping[int, Usage], factors: Mapping[int, float], jobs: Iterable[Job],
                 running: Set[str]) -> list[ShareView]:
-    """The `share` table: every user with usage or unended jobs, the highest factor (next served) first."""
+    """The `share` table: every user with usage or unended jobs, the highest factor (next served) first;
+    at most SHARE_USERS of them (a reply stays one frame however many users ever ran a job)."""
     counts: dict[int, list[int]] = {}
     for job in jobs:
         if not job.state.final:
@@ -124,4 +126,4 @@ def share_views(usage: Mapping[int, Usage], factors: Mapping[int, float], jobs: 
         views.append(ShareView(uid=uid, gpu_seconds=round(u.gpu_seconds, 3), cpu_seconds=round(u.cpu_seconds, 3),
                                usage=part, factor=round(factors.get(uid, 1.0), 4), running=n_running,
                                queued=n_queued))
-    return sorted(views, key=lambda v: (-v.factor, v.uid))
+    return sorted(views, key=lambda v: (-v.factor, v.uid))[:SHARE_USERS]
