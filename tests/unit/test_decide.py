@@ -196,3 +196,16 @@ def test_the_share_table_lists_users_with_usage_or_jobs_next_served_first() -> N
                                                                        (ALICE, 1, 1, 0.75)]
     many = {uid: Usage(0.0, 1.0, 0.0) for uid in range(SHARE_USERS + 5)}
     assert len(share_views(many, {}, [], set())) == SHARE_USERS  # one frame, however many users ran
+
+
+def test_preemption_frees_gpus_and_gives_up_at_once_when_all_candidates_would_not_do() -> None:
+    res = Resources(2, cpu_slots=2)
+    gpu = JobSpec(task="two-layer", nproc=1, gpus_per_rank=1, priority=-1, preemptible=True)
+    first = dataclasses.replace(job(1, BOB), spec=gpu)
+    second = dataclasses.replace(job(2, BOB), spec=gpu)
+    busy = running(res, (first, 0.0), (second, 5.0))
+    urgent = dataclasses.replace(job(3), spec=JobSpec(task="two-layer", nproc=1, gpus_per_rank=1, priority=1))
+    plan = decide.plan([urgent], set(), busy, {}, 100.0, res, cfg(preempt_min_run=0.0))
+    assert isinstance(plan[0], Preempt) and [v.id for v in plan[0].victims] == ["j2"]  # the most recent
+    huge = dataclasses.replace(job(4), spec=JobSpec(task="two-layer", nproc=3, gpus_per_rank=1, priority=1))
+    assert decide.victims(huge, busy, res, 100.0, cfg(preempt_min_run=0.0), frozenset()) is None

@@ -105,14 +105,21 @@ def victims(job: Job, running: Sequence[Running], capacity: Capacity, now: float
     cands = sorted((r for r in running if r.job.id not in stopping and r.job.spec.priority < job.spec.priority
                     and preemptible(r.job.spec, config) and now - r.since >= config.preempt_min_run),
                    key=lambda r: (r.job.spec.priority, -r.since))[:MAX_CANDIDATES]
+    if not _frees(capacity, cands, job):  # not even all of them: no search (this runs at every wake)
+        return None
     for k in range(1, len(cands) + 1):
         for combo in itertools.combinations(cands, k):
-            trial = copy.deepcopy(capacity)
-            for r in combo:
-                trial.give_back(r.job.spec, r.job.gpus)
-            if trial.take(job.spec) is not None:
+            if _frees(capacity, combo, job):
                 return tuple(r.job for r in combo)
-    return None
+    return None  # pragma: no cover (all of them free enough)
+
+
+def _frees(capacity: Capacity, combo: Sequence[Running], job: Job) -> bool:
+    """Whether `job` would fit once the jobs of `combo` gave their resources back (on a copy)."""
+    trial = copy.deepcopy(capacity)
+    for r in combo:
+        trial.give_back(r.job.spec, r.job.gpus)
+    return trial.take(job.spec) is not None
 
 
 def plan(queue: Sequence[Job], blocked: Set[str], running: Sequence[Running], usage: Mapping[int, float],
