@@ -102,7 +102,8 @@ def keep_process_groups(runtime: Runtime) -> None:
 
     @functools.wraps(real)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        runtime.keepalive.extend(list(c10d._world.pg_map))
+        group = kwargs.get("group", args[0] if args else None)
+        runtime.keepalive.extend(list(c10d._world.pg_map) if group is None else [group])  # None: all of them
         return real(*args, **kwargs)
 
     dist.destroy_process_group = destroy_process_group
