@@ -35,7 +35,7 @@ FLAGS = ["--task", "two-layer", "--nproc", "2", "--oversubscribe", "--name", "ev
          "--log-max", "131072", "--nnodes", "1:2", "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-id", "every-key",
          "--rdzv-backend", "c10d", "--rdzv-keep-alive", "5", "--rdzv-last-call", "1", "--env", "A=1", "--env", "B=two",
          "--workdir", str(REPO), "--python", sys.executable, "--export", "PATH,HOME", "--option", "lr=0.5",
-         "--option", "tag=x", "--notify", "true", "--notify-url", "http://127.0.0.1:9/ddpd"]
+         "--option", "tag=x", "--notify", "true", "--notify-url", "http://127.0.0.1:9/ddpd", "--preemptible"]
 FILE = f"""
 task = "two-layer"
 nproc = 2
@@ -70,6 +70,7 @@ export = "PATH,HOME"
 follow = false
 notify = "true"
 notify-url = "http://127.0.0.1:9/ddpd"
+preemptible = true
 {{after}}
 
 [env]

@@ -144,16 +144,16 @@ async def test_taken_rendezvous_port_is_skipped(short_tmp: object) -> None:
             finally:
                 assert await stop_daemon(d) == 0
             assert_nothing_left(jobs)
-            # only the taken port: a clear error, no freeze
+            # only the taken port, on loopback: the attempt falls back to an ephemeral port, never a freeze
             d = await start_daemon(tg, base, "--port-range", f"{taken}-{taken}")
             try:
-                job = await d.run(d.spec(task="two-layer", nproc=2, steps=3), timeout=30)
-                assert job.state == JobState.FAILED
-                assert job.root_cause is not None and job.root_cause.reason == "rendezvous"
-                assert f"{taken}-{taken}" in (job.root_cause.detail or "")
-                assert "in use" in (job.root_cause.detail or "")
+                job = await d.run(d.spec(task="two-layer", nproc=2, steps=3), timeout=60)
+                assert job.state == JobState.SUCCEEDED, job.root_cause
+                assert job.store_port not in (None, taken)
+                jobs = await d.client.list_jobs()
             finally:
                 assert await stop_daemon(d) == 0
+            assert_nothing_left(jobs)
             tg.cancel_scope.cancel()
     finally:
         blocker.close()

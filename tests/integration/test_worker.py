@@ -185,7 +185,7 @@ def test_single_rank_hello_phases_progress_result(spawn: Any) -> None:
     worker.send(assignment(0, 1, store, JobSpec(task="two-layer", steps=5), pgid=worker.proc.pid))
     frames = worker.until(Result)
     phases = [m.phase for m in of(PhaseChanged, frames)]
-    assert phases == ["store_connected", "joined", "training"]
+    assert phases == ["store_connected", "joined", "training", "done"]
     progress_steps(frames, 1, 5)
     result = frames[-1]
     assert isinstance(result, Result)
@@ -278,7 +278,7 @@ def test_stop_checkpoints_and_the_next_attempt_resumes(spawn: Any, tmp_path: Pat
     assert saved
     assert saved[-1].step == result.steps
     assert Path(saved[-1].path) == ckpt / "checkpoint.pt"
-    assert of(PhaseChanged, frames)[-1].phase == "stopping"
+    assert [m.phase for m in of(PhaseChanged, frames)][-2:] == ["stopping", "done"]
     assert worker.wait() == 0
     assert "Thread" in worker.log.read_text()  # faulthandler's dump, written on DumpStacks
 
@@ -318,7 +318,7 @@ def test_script_mode_reports_join_progress_and_result(spawn: Any, tmp_path: Path
     worker.send(message)
     frames = worker.until((Result, Failure))
     assert isinstance(frames[-1], Result), frames[-1]
-    assert [m.phase for m in of(PhaseChanged, frames)] == ["store_connected", "joined", "training"]
+    assert [m.phase for m in of(PhaseChanged, frames)] == ["store_connected", "joined", "training", "done"]
     assert frames[-1].steps == 1
     assert frames[-1].loss == 1.0
     assert worker.wait() == 0
