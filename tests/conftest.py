@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import pytest
 from anyio.abc import Process
 
 from ddpd.client import AsyncClient
+from ddpd.daemon.contain.cgroups import probe
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import EventView, JobView
 
@@ -187,6 +189,19 @@ async def stop_daemon(d: DaemonProc, sig: int = signal.SIGTERM, timeout: float =
         return await d.proc.wait()
 
 
+def assert_no_cgroup_left(state_dir: Path) -> None:
+    """A daemon alone under the root cgroup (as here) removes its cgroup folder when it stops, and with
+    it every attempt's, check's and agent's cgroup: none is left behind."""
+    support = probe()
+    if support.path is None or not support.usable:
+        return
+    instance = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    left = support.path / f"ddpd-{instance}"
+    if left.exists():
+        inside = sorted(str(p.relative_to(left)) for p in left.rglob("*") if p.is_dir())
+        raise AssertionError(f"the stopped daemon left its cgroup {left}, holding {inside}")
+
+
 @pytest.fixture
 def short_tmp() -> Any:
     """A short directory (Unix socket paths are limited to 108 bytes)."""
@@ -212,6 +227,7 @@ async def running_daemon(base: Path, *flags: str, state_dir: Path | None = None,
             rc = await stop_daemon(d)
             assert rc == 0, f"daemon exited with {rc}"
             assert_nothing_left(jobs)
+            assert_no_cgroup_left(d.state_dir)
             tg.cancel_scope.cancel()
 
 

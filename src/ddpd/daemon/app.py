@@ -21,7 +21,7 @@ from .. import __version__
 from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
 from .config import Config, ConfigError, load_config, parse_listen
-from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe
+from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe, remove_emptied
 from .contain.portfence import daemon_tag
 from .contain.portfence import sweep as sweep_fences
 from .contain.procs import set_child_subreaper
@@ -229,8 +229,8 @@ class Daemon:
                         except FileNotFoundError:
                             pass
                 db.close()
-                if subtree is not None and subtree.jobs.name != JOBS_DIR:  # ours alone, under the root cgroup
-                    await anyio.to_thread.run_sync(_remove_empty, subtree.jobs)
+                if subtree is not None:
+                    await anyio.to_thread.run_sync(_remove_empty, subtree)
                 running, queued = self.counts()
                 log.info("daemon.stopped", uptime=round(time.monotonic() - self.started, 3), queued=queued,
                          running=running)
@@ -254,9 +254,16 @@ class Daemon:
         return listener
 
 
-def _remove_empty(path: Path) -> None:
-    with contextlib.suppress(OSError):  # an attempt's cgroup still there (unkillable): kept, reported then
-        path.rmdir()
+def _remove_empty(subtree: Subtree) -> None:
+    """At the stop: the attempts' cgroups that emptied after their attempt ended (an unkillable rank
+    that died later), then the daemon's own folder where it is ours alone; a populated one is kept
+    (reported when its attempt ended)."""
+    removed = remove_emptied(subtree.jobs)
+    if removed:
+        log.info("cgroup.emptied_removed", paths=[str(p) for p in removed])
+    if subtree.jobs.name != JOBS_DIR:  # ours alone, under the root cgroup
+        with contextlib.suppress(OSError):
+            subtree.jobs.rmdir()
 
 
 def containment(cfg: Config) -> Subtree | None:

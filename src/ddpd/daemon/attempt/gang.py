@@ -19,6 +19,7 @@ from ...protocol.channel import DumpStacks, Stop
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup
 from ..contain.files import JobFileError, Opener, job_file_size, read_job_file
+from ..contain.reaper import disown
 from ..layout import stderr_log
 from ..run.clock import Clock, wait_until
 from ..run.rootcause import StackSite, locate
@@ -100,6 +101,7 @@ class RankGang:
             info = await anyio.to_thread.run_sync(procs.proc_info, h.proc.pid)
             await self.journal.event(self.job, "rank.unkillable", rank=h.rank.rank, pid=h.proc.pid,
                                      proc_state=info.state if info else "?")
+            disown(h.proc.pid)  # no one waits for it any more: reaped whenever it dies
 
     # -- stack dumps -----------------------------------------------------------------------
 

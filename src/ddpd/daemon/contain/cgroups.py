@@ -321,3 +321,17 @@ def _move(path: Path, pid: int) -> None:
         pass  # it exited meanwhile: nothing to contain
     except OSError as exc:
         raise CgroupError(exc.errno, f"cannot move pid {pid} into {path}: {exc.strerror}") from None
+
+
+def remove_emptied(jobs: Path) -> list[Path]:
+    """Remove the empty cgroups under `jobs` (blocking): those an unkillable rank's attempt kept,
+    whose processes died after it ended. One still populated is left as it is. The ones removed."""
+    removed = []
+    for path in sorted(p for p in jobs.iterdir() if p.is_dir()) if jobs.is_dir() else []:
+        try:
+            AttemptCgroup(path).remove()
+        except OSError:  # still populated (EBUSY), or gone meanwhile
+            continue
+        removed.append(path)
+    return removed
+

@@ -14,7 +14,7 @@ exit status (the owner's wait gets ECHILD and CPython reports exit code 0). So:
   are zombies, not registered, and not in the daemon's own process group (helpers it runs through
   `subprocess.run` or `anyio.run_process` stay in that group and are waited for by their callers);
   registrations whose pid is no longer a child of the same start time (its owner reaped it) are
-  dropped.
+  dropped; an owner that stops waiting (an unkillable rank's attempt gives up) `disown`s its child.
 
 `spawned` and `reap_inherited` block briefly (a fork, a few /proc reads); `reap_forever` runs the
 reaping in a worker thread.
@@ -61,6 +61,13 @@ def spawned(start: Callable[[], P]) -> P:
         info = _stat(proc.pid)
         _known[proc.pid] = -1 if info is None else info[3]
         return proc
+
+
+def disown(pid: int) -> None:
+    """Hand a registered child to the reaper of inherited children: its owner waits no more (an
+    unkillable rank its attempt gave up on), so whenever it dies, its zombie is reaped here."""
+    with _lock:
+        _known.pop(pid, None)
 
 
 def children() -> set[int]:
