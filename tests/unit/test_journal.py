@@ -314,3 +314,47 @@ async def test_a_writer_cancelled_while_committing_leaves_the_others_writes_to_t
         holder.close()
         leader.cancel()  # the second writer takes over: its write and the cancelled one go in
     assert [e.kind for e in await journal.list_events(job.id, 0, 10)] == ["first", "second"]
+
+
+async def test_events_reach_followers_in_stamp_order_live_ones_too(journal: Journal, db: StateDB) -> None:
+    """Bug: a live (never stored) progress event made while a stored one was being committed was
+    published first: a follower saw stamps go back. Now each waits for the ones stamped before it."""
+    job = make_job()
+    await journal.create_job(job)
+    seen: list[tuple[float, str, int | None]] = []
+    journal.bus.listen(lambda e: seen.append((e.ts, e.kind, e.rank)))
+    holder = locked(db.path)  # the stored event's commit waits for the lock: the live ones come meanwhile
+    journal._sleep = lambda _: anyio.sleep(0.01)
+    journal._retries = (0.05,) * 20
+
+    async def release() -> None:
+        while not seen and len(journal._outbox._ready) < 5:  # the live events are made and held back
+            await anyio.sleep(0.005)
+        holder.rollback()
+        holder.close()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(journal.event, job, "rank.joined", rank=0))
+            await anyio.lowlevel.checkpoint()
+            for i in range(5):
+                await journal.event(job, "rank.progress", rank=i, persist=False)
+            assert seen == []  # held behind the stored event that is stamped before them
+            tg.start_soon(release)
+    assert [kind for _, kind, _ in seen] == ["rank.joined"] + ["rank.progress"] * 5
+    assert [ts for ts, _, _ in seen] == sorted(ts for ts, _, _ in seen)
+    cancelled = anyio.CancelScope()
+
+    async def stored_then_cancelled() -> None:
+        with cancelled:
+            await journal.event(job, "rank.left", rank=1)
+
+    holder = locked(db.path)
+    async with anyio.create_task_group() as tg:  # a write cancelled on the way holds back nothing
+        tg.start_soon(stored_then_cancelled)
+        await anyio.lowlevel.checkpoint()
+        cancelled.cancel()
+    holder.rollback()
+    holder.close()
+    await journal.event(job, "rank.progress", rank=9, persist=False)
+    assert seen[-1][1:] == ("rank.progress", 9)

@@ -8,6 +8,10 @@ locked past its busy timeout, disk full, read-only) is retried with a bounded ba
 is tried write by write), then logged as `journal.write_failed` and dropped, so the in-memory state stays
 authoritative and the daemon keeps supervising. Only `create_job` (a new submission) and `delete_job`
 raise `StorageError`: a job is saved before it is published, and a failed save leaves no trace.
+
+Events reach followers in the order of their stamps: an event is stamped when it is made, and one made
+while an earlier one is still being committed (a live progress event, never stored, say) is held until
+the earlier one is published, then published right after it (`_Outbox`); no caller waits for that.
 """
 
 from __future__ import annotations
@@ -44,6 +48,30 @@ _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed"
                           "gpu.quarantined", "job.gpu_idle", "job.notify_failed"})
 
 
+class _Outbox:
+    """Publication in stamp order: `take` a place when an event is stamped, `put` its view (None: nothing
+    to publish, its write was cancelled) when it is ready; the views are published in the places' order,
+    each as soon as every earlier one was put (by whichever caller puts last)."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self._first = 0  # the place at the head
+        self._ready: dict[int, EventView | None] = {}
+        self._next = 0
+
+    def take(self) -> int:
+        place, self._next = self._next, self._next + 1
+        return place
+
+    def put(self, place: int, view: EventView | None) -> None:
+        self._ready[place] = view
+        while self._first in self._ready:
+            ready = self._ready.pop(self._first)
+            self._first += 1
+            if ready is not None:
+                self.bus.publish(ready)
+
+
 class Journal:
     """The one place job and rank state changes are recorded, and the only code that speaks SQL."""
 
@@ -55,6 +83,7 @@ class Journal:
         self._sleep = sleep
         self.failed_writes = 0
         self.batches = 0  # transactions committed by the group commit
+        self._outbox = _Outbox(bus)
         self._degraded_until = 0.0  # monotonic: storage failed lately, do not stall supervision on retries
         self._queue: list[_Op] = []  # writes waiting for the next transaction
         self._flushing = False  # a writer is committing batches (the others wait for `_flushed`)
@@ -140,16 +169,20 @@ class Journal:
     async def event(
         self, job: Job | None, kind: str, *, rank: int | None = None, persist: bool = True, **data: Any
     ) -> None:
-        ts = time.time()
+        ts, place = time.time(), self._outbox.take()
         job_id = job.id if job else None
         attempt = job.attempt if job else None
         seq = 0
-        if persist:
-            text = json.dumps(data, default=str)
-            seq = await self._write(kind, lambda c: c.execute(
-                "INSERT INTO events (ts, job_id, attempt, rank, kind, data) VALUES (?, ?, ?, ?, ?, ?)",
-                (ts, job_id, attempt, rank, kind, text)).lastrowid, job_id) or 0
-        self.bus.publish(EventView(seq=seq, ts=ts, kind=kind, job_id=job_id, attempt=attempt, rank=rank, data=data))
+        view: EventView | None = None
+        try:
+            if persist:
+                text = json.dumps(data, default=str)
+                seq = await self._write(kind, lambda c: c.execute(
+                    "INSERT INTO events (ts, job_id, attempt, rank, kind, data) VALUES (?, ?, ?, ?, ?, ?)",
+                    (ts, job_id, attempt, rank, kind, text)).lastrowid, job_id) or 0
+            view = EventView(seq=seq, ts=ts, kind=kind, job_id=job_id, attempt=attempt, rank=rank, data=data)
+        finally:
+            self._outbox.put(place, view)  # published in stamp order (a cancelled write: nothing)
         if persist:
             level = "warning" if kind in _WARN_EVENTS else "info"
             fields = dict(data)
