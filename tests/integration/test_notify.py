@@ -45,6 +45,12 @@ def public_tmp() -> Iterator[Path]:
         yield path
 
 
+def _png_of(path: Path) -> int:
+    """The owner of the PNG picture at `path` (AssertionError if it is none)."""
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    return path.stat().st_uid
+
+
 def _hook_wrote(out: Path) -> tuple[dict[str, str], int, str]:
     """The hook's environment, uid and /proc/self/cgroup, as it wrote them."""
     env = dict(line.split("=", 1) for line in Path(f"{out}.env").read_text().splitlines() if "=" in line)
@@ -74,6 +80,10 @@ async def test_a_notify_command_runs_as_the_submitter_with_the_jobs_facts(
         assert env["DDPD_JOB_ROOT_CAUSE"] == "" and float(env["DDPD_JOB_DURATION"]) > 0
         assert float(env["DDPD_JOB_LAST_LOSS"]) == job.ranks[0].loss
         assert env["USER"] == ann.name and env["HOME"] == ann.home
+        # the curve picture, drawn as the submitter into the job's folder (matplotlib is a test dependency)
+        picture = Path(env["DDPD_JOB_CURVE"])
+        assert picture.name == "curve.png" and job_id in picture.parts, env["DDPD_JOB_CURVE"]
+        assert _png_of(picture) == ann.uid
         if probe().usable:  # a cgroup of its own, like any of the user's work
             assert f"/notify-{ann.uid}-" in cgroup
         assert_nothing_left([job])
@@ -131,6 +141,7 @@ async def test_a_webhook_gets_the_json_and_a_hanging_hook_is_cut_off_while_the_d
             body = json.loads(got[0])
             assert (body["id"], body["state"], body["event"]) == (job.id, "FAILED", "ended")
             assert "bad batch on rank 0" in body["root_cause"] and body["duration"] > 0
+            assert "curve" in body and body["owner_uid"] == 0  # curve: a picture's path, or null (drawn within 1 s)
             # the hanging command: the daemon answers meanwhile, and cuts it off at its bound, twice
             with anyio.fail_after(1):
                 await d.client.ping()

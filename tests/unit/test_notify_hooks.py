@@ -50,7 +50,8 @@ def test_a_hook_is_told_the_jobs_facts() -> None:
     assert told == {"DDPD_JOB_ID": "j7-abcd", "DDPD_JOB_NAME": "train", "DDPD_JOB_EVENT": "ended",
                     "DDPD_JOB_STATE": "FAILED", "DDPD_JOB_REASON": "rank_failed",
                     "DDPD_JOB_ROOT_CAUSE": "rank 1 failed: ValueError: bad batch", "DDPD_JOB_ATTEMPT": "2",
-                    "DDPD_JOB_DURATION": "40.5", "DDPD_JOB_LAST_LOSS": "0.25"}  # rank 0's loss
+                    "DDPD_JOB_DURATION": "40.5", "DDPD_JOB_LAST_LOSS": "0.25",
+                    "DDPD_JOB_CURVE": ""}  # rank 0's loss
 
 
 def test_a_hooks_failure_is_said_and_a_hang_is_cut_off_with_its_group(tmp_path: Path) -> None:

@@ -14,11 +14,19 @@ Never blocking the daemon: the scheduler only `post`s a notice (a bounded queue;
 it, journalled); `run` delivers them in tasks of its own, at most `AT_ONCE` at a time, each run
 bounded by `notify_timeout` seconds (then its group and cgroup are killed) and retried once. A hook
 that fails twice is a ``job.notify_failed`` event; one that worked, ``job.notified``.
+
+The curve picture: where the plot extra (matplotlib) is installed, a job's end is first drawn as the
+submitter, by `ddpctl plot JOB --png` of the job's interpreter and environment (those its ranks ran
+with) through the daemon's socket (in a cgroup of its own, bounded like a hook), into the job's
+folder (``<state>/users/<uid>/jobs/<job>/curve.png``, the submitter's); the hooks are then told its
+path (``DDPD_JOB_CURVE``, ``curve`` in the JSON; empty where there is no picture: no extra, no
+points, or the drawing failed).
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import itertools
 import json
 import os
@@ -27,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,9 +44,11 @@ import anyio.abc
 import anyio.to_thread
 import structlog
 
+from ...protocol.spec import reserved_env
 from ..config import Config
 from ..contain.cgroups import AttemptCgroup, CgroupError, Subtree
-from ..contain.identity import SANE_PATH, Identity, UnknownUser, popen_kwargs
+from ..contain.identity import SANE_PATH, Identity, UnknownUser, job_environment, popen_kwargs, submitted_environment
+from ..layout import user_job_dir
 from ..store.journal import Journal
 from ..store.records import Job
 
@@ -50,6 +60,7 @@ AT_ONCE = 4  # hooks running at once, all users together
 RETRY_PAUSE = 1.0  # seconds before the one retry
 CGROUP_KILL_WAIT = 10.0
 ERROR_TAIL = 400  # bytes of a failed hook's stderr kept in its event
+PICTURE = "curve.png"  # the curve picture, in the job's folder
 
 Event = Literal["ended", "restarting", "preempted"]
 
@@ -82,6 +93,7 @@ class Notice:
     duration: float | None
     last_loss: float | None
     owner_uid: int
+    curve: str | None = None  # the path of the job's curve picture, where one was drawn
 
 
 def notice_of(job: Job, event: Event, now: float) -> Notice:
@@ -184,6 +196,16 @@ def sweep(jobs: Path) -> None:
             end_cgroup(AttemptCgroup(path))
 
 
+def picture_argv(python: str, socket: Path, job_id: str, path: Path) -> list[str]:
+    """`ddpctl plot JOB --png PATH` of the job's own interpreter, run as the submitter."""
+    return [python, "-m", "ddpd.cli", "plot", job_id, "--png", str(path), "--socket", str(socket)]
+
+
+def can_draw() -> bool:
+    """Whether the plot extra is installed (looked up, not imported: the daemon never loads it)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 class Notifier:
     """`post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
 
@@ -194,6 +216,7 @@ class Notifier:
         self._send, self._receive = anyio.create_memory_object_stream[tuple[Job, Notice, list[Hook]]](QUEUED_AT_MOST)
         self._serial = itertools.count(1)
         self._threads = anyio.CapacityLimiter(AT_ONCE)
+        self._draws = can_draw()
 
     def post(self, job: Job, event: Event) -> None:
         hooks = hooks_of(job, self.config())
@@ -209,8 +232,36 @@ class Notifier:
             await anyio.to_thread.run_sync(sweep, self.subtree.jobs)
         async with anyio.create_task_group() as tg:
             async for job, notice, hooks in self._receive:
-                for hook in hooks:
-                    tg.start_soon(self._deliver, job, notice, hook)
+                tg.start_soon(self._deliver_all, job, notice, hooks)
+
+    async def _deliver_all(self, job: Job, notice: Notice, hooks: list[Hook]) -> None:
+        """The curve picture of an ended job first (where it can be drawn), then every hook at once."""
+        if notice.event == "ended" and self._draws:
+            with structlog.contextvars.bound_contextvars(job_id=job.id, attempt=notice.attempt):
+                try:
+                    notice = replace(notice, curve=await self._draw(job))
+                except Exception:  # a bug in the drawing must not cost the hooks
+                    log.exception("notify.internal_error", hook="curve")
+        async with anyio.create_task_group() as tg:
+            for hook in hooks:
+                tg.start_soon(self._deliver, job, notice, hook)
+
+    async def _draw(self, job: Job) -> str | None:
+        """Draw the job's curve into its folder as its submitter; the picture's path, or None."""
+        try:
+            identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
+        except UnknownUser:
+            return None
+        cfg = self.config()
+        path = user_job_dir(cfg.state_dir, job.owner_uid, job.id) / PICTURE
+        python = job.spec.python or sys.executable  # what the job ran with (checked at its submit)
+        exported = {k: v for k, v in submitted_environment(identity, job.spec.environ).items() if not reserved_env(k)}
+        env = job_environment(identity, exported, job.spec.env, {})
+        error = await self._once(identity, picture_argv(python, cfg.socket, job.id, path), env)
+        if error is not None:
+            log.info("notify.no_curve", error=error)
+            return None
+        return str(path)
 
     async def _deliver(self, job: Job, notice: Notice, hook: Hook) -> None:
         with structlog.contextvars.bound_contextvars(job_id=job.id, attempt=notice.attempt):
@@ -226,8 +277,12 @@ class Notifier:
             await self._report(job, notice, hook, str(exc), tries=0)
             return
         error: str | None = None
+        timeout = self.config().notify_timeout
+        told = {**identity.identity_env(), "PATH": SANE_PATH, **variables(notice)}
+        if hook.kind == "url":
+            told["DDPD_NOTIFY_JSON"] = json.dumps(asdict(notice))
         for tries in (1, 2):
-            error = await self._once(identity, notice, hook)
+            error = await self._once(identity, hook.argv(timeout), told)
             if error is None:
                 await self.journal.event(job, "job.notified", hook=hook.kind, notice=notice.event, tries=tries)
                 return
@@ -239,12 +294,10 @@ class Notifier:
         await self.journal.event(job, "job.notify_failed", hook=hook.kind, notice=notice.event, tries=tries,
                                  error=error)
 
-    async def _once(self, identity: Identity, notice: Notice, hook: Hook) -> str | None:
-        """One run of the hook in a cgroup of its own (where there is a subtree), bounded."""
+    async def _once(self, identity: Identity, argv: list[str], env: dict[str, str]) -> str | None:
+        """One run of a hook (or of the drawing) as the submitter, in a cgroup of its own (where there
+        is a subtree), bounded."""
         timeout = self.config().notify_timeout
-        env = {**identity.identity_env(), "PATH": SANE_PATH, **variables(notice)}
-        if hook.kind == "url":
-            env["DDPD_NOTIFY_JSON"] = json.dumps(asdict(notice))
         cgroup = None
         if self.subtree is not None:
             try:
@@ -253,7 +306,7 @@ class Notifier:
             except OSError as exc:  # it still runs, in its process group only
                 log.warning("notify.cgroup_unavailable", error=str(exc))
         try:
-            return await anyio.to_thread.run_sync(run_hook, hook.argv(timeout), env, identity, timeout,
+            return await anyio.to_thread.run_sync(run_hook, argv, env, identity, timeout,
                                                   None if cgroup is None else cgroup.add, limiter=self._threads,
                                                   abandon_on_cancel=True)  # the cgroup's end kills it
         finally:
