@@ -7,6 +7,7 @@ which step), resumes from that checkpoint once the box is free, and ends with th
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -25,6 +26,37 @@ SLOW = "tests.tasks:slow"
 STEPS = 800
 ROUNDS = (2, 6)  # preemptions: at least, at most (as many as fit in BUDGET)
 BUDGET = 30.0  # seconds for the rounds (the file stays within about two minutes)
+# DDPD_PREEMPT_ROUNDS=50 (make soak-preempt): exactly that many preemptions, however long they take
+EXACT_ROUNDS = int(os.environ.get("DDPD_PREEMPT_ROUNDS", "0"))
+
+# an unmodified script that checkpoints on SIGUSR1 (as a Slurm job does with --signal), and resumes
+SIGNALLED_SCRIPT = """
+import signal, sys, torch
+path, steps = sys.argv[1], int(sys.argv[2])
+asked = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: asked.append(signum))
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+try:
+    saved = torch.load(path)
+    model.load_state_dict(saved["model"])
+    start = saved["step"]
+except FileNotFoundError:
+    start = 0
+print(f"starting at step {start}", flush=True)
+x, y = torch.ones(8, 4), torch.zeros(8, 1)
+for step in range(start + 1, steps + 1):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if asked:
+        torch.save({"model": model.state_dict(), "step": step}, path)
+        print(f"checkpointed at step {step}", flush=True)
+        sys.exit(0)
+    torch.cuda.synchronize() if torch.cuda.is_available() else __import__("time").sleep(0.01)
+with open(path + ".done", "w") as f:
+    f.write(f"{start} {steps}")
+"""
 TIMEOUT = 120
 
 
@@ -77,7 +109,8 @@ async def test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from
         job_id = await d.client.submit(low(d, 0.01))
         steps: list[int] = []
         deadline = time.monotonic() + BUDGET
-        while len(steps) < ROUNDS[0] or (len(steps) < ROUNDS[1] and time.monotonic() < deadline):
+        least, most = (EXACT_ROUNDS, EXACT_ROUNDS) if EXACT_ROUNDS else ROUNDS
+        while len(steps) < least or (len(steps) < most and (EXACT_ROUNDS or time.monotonic() < deadline)):
             steps.append(await preempt_once(d, job_id, len(steps) + 1, steps[-1] + 10 if steps else 10))
             first = await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.attempt == len(steps) + 1,
                                        TIMEOUT)
@@ -121,3 +154,48 @@ async def test_a_daemon_restart_while_a_preempted_job_checkpoints_loses_nothing_
         assert restarted.ts >= other.finished_at  # the job of higher priority ran first
         for job_id in (victim, urgent):
             assert [e.kind for e in await events_of(d, job_id)].count("job.finished") == 1
+
+
+async def test_a_script_that_handles_the_stop_signal_checkpoints_when_preempted_and_resumes(
+        short_tmp: Path) -> None:
+    """Preemption of an unmodified script: the stop signal (SIGUSR1, the config's `stop_signal`) is raised
+    in the rank whose script handles it, before any SIGTERM; it checkpoints and exits 0, and the next
+    attempt resumes from that checkpoint."""
+    config = short_tmp / "ddpd.toml"
+    config.write_text("preempt_min_run = 0\n")
+    script, saved = short_tmp / "signalled.py", short_tmp / "ckpt.pt"
+    script.write_text(SIGNALLED_SCRIPT)
+    async with running_daemon(short_tmp, "--config", str(config), "--cpu-slots", "1", "--gpus", "0") as d:
+        job_id = await d.client.submit(d.spec(script=[str(script), str(saved), "100000"], nproc=1,
+                                              workdir=str(short_tmp), priority=-1, preemptible=True,
+                                              timeouts={"kill_grace": 30.0}))
+        await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.data["step"] > 5, TIMEOUT)
+        urgent = await d.client.submit(d.spec(task="two-layer", nproc=1, steps=2, priority=10))
+        preempted = await d.wait_event(job_id, state_is("PREEMPTED"), TIMEOUT)
+        assert preempted.data["by"] == urgent
+        mine = await events_of(d, job_id)
+        asked = [e for e in mine if e.kind == "job.stop_requested"]
+        assert [e.data.get("signal") for e in asked] == ["SIGUSR1"], asked
+        exits = [e for e in mine if e.kind == "rank.exited"]
+        assert [e.data["exit_code"] for e in exits] == [0], exits  # it left by itself, checkpointed
+        assert not [e for e in mine if e.kind == "job.teardown"], "no SIGTERM was needed"
+        with anyio.fail_after(TIMEOUT):
+            assert (await d.client.wait(urgent)).state == JobState.SUCCEEDED
+        # the next attempt resumes from the checkpoint: cancel it once it has trained past it
+        await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.attempt == 2, TIMEOUT)
+        await d.client.cancel(job_id)
+        with anyio.fail_after(TIMEOUT):
+            done = await d.client.wait(job_id)
+        assert done.attempt == 2 and done.state == JobState.CANCELLED, done
+        first, second = _said(short_tmp / "state", job_id, 1), _said(short_tmp / "state", job_id, 2)
+        checkpointed = [line for line in first if line.startswith("checkpointed at step ")]
+        assert len(checkpointed) == 1 and first[0] == "starting at step 0", first
+        assert second[0] == f"starting at step {checkpointed[0].split()[-1]}", (first, second)
+
+
+def _said(state: Path, job_id: str, attempt: int) -> list[str]:
+    """What rank 0 of the attempt printed (its stdout log in the owner's tree)."""
+    logs = list(state.glob(f"users/*/jobs/{job_id}/attempt-{attempt}/rank-0.log"))
+    assert len(logs) == 1, logs
+    return logs[0].read_text().splitlines()
+

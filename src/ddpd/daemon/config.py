@@ -98,6 +98,7 @@ class Config:
     preemptible_below: int | None = None  # a job of priority below this is preemptible as if --preemptible
     preempt_min_run: float = 300.0  # seconds a job runs before it may be preempted (again)
     preempt_scripts: bool = False  # preempt scripts that never call the stop API (ddpd.worker.api.should_stop)
+    stop_signal: str = "SIGUSR1"  # raised in a script rank that handles it when it is asked to stop; "none": never
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
     max_connections: int = 256  # control connections open at once
     max_connections_per_user: int = 32  # of them one uid may hold (root and the admin group: a reserve too)
@@ -180,6 +181,8 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     preemptible_below: Priority | msgspec.UnsetType | None = msgspec.UNSET
     preempt_min_run: Annotated[float, msgspec.Meta(ge=0, le=365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
     preempt_scripts: bool | msgspec.UnsetType = msgspec.UNSET
+    stop_signal: Literal["SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGALRM", "SIGTERM", "none"] | (
+        msgspec.UnsetType) = msgspec.UNSET
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     max_connections_per_user: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     idle_timeout: Timeout | msgspec.UnsetType = msgspec.UNSET

@@ -120,9 +120,11 @@ class Assign(_W, tag="assign"):
 
 
 class Stop(_W, tag="stop"):
-    """Stop at the next step boundary, checkpoint, exit 0."""
+    """Stop at the next step boundary, checkpoint, exit 0. `signal` (a script's job, not 0): raise that
+    signal in the rank where the script handles it (its own Python handler), as Slurm's --signal."""
 
     reason: str = ""
+    signal: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
 
 
 class DumpStacks(_W, tag="dump"):

@@ -78,8 +78,10 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
             match message:
                 case Assign():
                     assignments.put(message)
-                case Stop():
+                case Stop(signal=signum):
                     runtime.stop_requested.set()
+                    if signum:
+                        forward_stop_signal(signum)
                 case DumpStacks():
                     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                     dump_hang_evidence()
@@ -101,6 +103,27 @@ def dump_hang_evidence() -> None:
     print(f"ddpd: {note}", file=sys.stderr, flush=True)
 
 
+def _dump_handler(signum: int, frame: object) -> None:
+    """ddpd's own Python-level SIGUSR1 handler: nothing (the wakeup fd carries the signal to the dump
+    thread; faulthandler has written the stacks before it)."""
+
+
+_expected_usr1 = [0]  # SIGUSR1s raised for the script's handler: no hang evidence for those
+
+
+def forward_stop_signal(signum: int) -> bool:
+    """Raise the stop signal in this rank where the script handles it (a Python handler of its own, as
+    a Slurm job does for --signal); never where it would take the default action (end the rank) or
+    reach ddpd's own dump handler. True if it was raised."""
+    handler = signal.getsignal(signum)
+    if not callable(handler) or handler is _dump_handler:
+        return False
+    if signum == signal.SIGUSR1:
+        _expected_usr1[0] += 1
+    os.kill(os.getpid(), signum)  # the handler runs in the main thread, between two bytecodes
+    return True
+
+
 def watch_dump_signal() -> None:
     """SIGUSR1 (the daemon's hang dump): faulthandler writes every thread's stack at once, even while
     a C call holds the GIL; then the flight recorder is dumped from a thread of its own.
@@ -112,7 +135,7 @@ def watch_dump_signal() -> None:
     """
     read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     os.set_blocking(read_fd, True)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    signal.signal(signal.SIGUSR1, _dump_handler)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=True)
     threading.Thread(target=dump_signalled, args=(read_fd,), name="ddpd-dump", daemon=True).start()
@@ -122,6 +145,9 @@ def dump_signalled(read_fd: int) -> None:
     """The dump thread: the hang evidence beyond the stacks, on each SIGUSR1 (other signals ignored)."""
     while data := os.read(read_fd, 64):
         if signal.SIGUSR1 in data:
+            if _expected_usr1[0]:  # the stop signal, raised for the script's own handler
+                _expected_usr1[0] -= 1
+                continue
             dump_hang_evidence()
 
 

@@ -95,6 +95,8 @@ class Attempt:
         self.outcome: Outcome | None = None
         self.gang = RankGang(job, journal, self.clock, marker_entry(job.id, number, self.token), boot_ticks(),
                              opener=functools.partial(open_user_file, config.state_dir, job.owner_uid))
+        if job.spec.script is not None and config.stop_signal != "none":  # built-in tasks stop by the API alone
+            self.gang.stop_signal = signal.Signals[config.stop_signal].value
         self._concluded = anyio.Event()
         self._replan = anyio.Event()  # set when a deadline may have appeared or moved earlier
         self._warned = False  # the ranks were asked to stop before the wall-time limit

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -45,6 +46,7 @@ class RankGang:
         self.signals_sent: set[str] = set()
         self.stack_sites: dict[int, StackSite] = {}  # rank -> where its main thread hung (from its dump)
         self.reason = ""
+        self.stop_signal = 0  # raised in a script's ranks that handle it when they are asked to stop
 
     def contain_in(self, cgroup: AttemptCgroup) -> None:
         """The attempt's cgroup, once made: teardown kills what is left in it."""
@@ -86,8 +88,9 @@ class RankGang:
 
     async def request_stop(self, grace: float) -> None:
         for h in self.live():
-            await h.channel.send(Stop(reason=self.reason))
-        await self.journal.event(self.job, "job.stop_requested", reason=self.reason, grace=grace)
+            await h.channel.send(Stop(reason=self.reason, signal=self.stop_signal))
+        signalled: dict[str, Any] = {"signal": signal.Signals(self.stop_signal).name} if self.stop_signal else {}
+        await self.journal.event(self.job, "job.stop_requested", reason=self.reason, grace=grace, **signalled)
 
     async def wait_exited(self, deadline: float) -> bool:
         async def all_exited() -> None:
