@@ -47,6 +47,11 @@ browser-test: setup
 	$(BIN)/pip install -q -e '.[dev,browser]'
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/browser
 
+# the preemption loop at full length: 50 preemptions of one job, each checkpointed and resumed (issue: 100%)
+soak-preempt: setup
+	DDPD_PREEMPT_ROUNDS=50 $(BIN)/python -m pytest -q -p no:randomly \
+		"tests/integration/test_preemption.py::test_a_higher_priority_job_preempts_and_the_preempted_one_resumes_from_its_checkpoint"
+
 bench: setup
 	$(BIN)/python -m benchmarks
 
