@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # workers halve the suite on a 2-core machine (tests that create users share one worker)
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test lint nftables unit bench bench-short bench-pool clean
+.PHONY: setup demo test lint nftables unit bench bench-short bench-pool clean soak-preempt
 
 setup: $(VENV)/.installed
 
