@@ -169,3 +169,20 @@ async def test_store_writes_curves_forgets_ended_ones_and_reads_them_back(journa
     assert curve is not None and [b.step for b in curve.buckets][-2:] == [40, 45]
     await journal.delete_job(job.id)
     assert await journal.load_curve(job.id) is None
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["p0", "p1", "r0", "r1"])))
+def test_the_last_point_is_the_mean_at_the_last_step_whatever_order_reports_and_results_come_in(
+        order: tuple[str, ...]) -> None:
+    """Bug: the leader's result at a step it had reported as progress replaced the pending point, and
+    with it the other rank's loss at that step: the last point was rank 0's loss alone."""
+    reports = {"p0": (0, 48, 1.0, False), "p1": (1, 48, 3.0, False), "r0": (0, 48, 1.0, True),
+               "r1": (1, 48, 3.0, True)}
+    feed = JobFeed()
+    feed.report(1.0, 1, 0, 41, 5.0)
+    feed.report(1.0, 1, 1, 41, 7.0)
+    for t, name in enumerate(order, start=2):
+        rank, step, loss, final = reports[name]
+        feed.report(float(t), 1, rank, step, loss, final=final)
+    feed.finish()
+    assert [(b.step, b.loss) for b in feed.curve.buckets] == [(41, 6.0), (48, 2.0)]

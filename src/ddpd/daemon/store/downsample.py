@@ -234,7 +234,10 @@ class JobFeed:
 
     def _lead(self, t: float, rank: int, step: int, loss: float | None) -> None:
         seen = {r: ahead.pop(step) for r, ahead in self.early.items() if step in ahead}
-        self.pending[step] = (t, {**seen, rank: loss})
+        if step in self.pending:  # the leader reports a step again (its result after its progress): the
+            self.pending[step][1].update({**seen, rank: loss})  # other ranks' losses at it stay
+        else:
+            self.pending[step] = (t, {**seen, rank: loss})
 
     def _commit(self, final: bool, force: bool = False) -> bool:
         """Add the pending points every rank has passed (the newest only once the leader moved on, or
