@@ -273,11 +273,28 @@ def b2b_torchrun(argv: list[str], nproc: int) -> float:
     return time.perf_counter() - started
 
 
+POOL_SETTLE = 120.0  # seconds the pooled daemon's refill may take before a side starts
+
+
+async def pool_settled(daemon: Any, size: int = 2) -> None:
+    """Wait until the pooled daemon's warm pool holds `size` ready interpreters again: a refill after
+    the pooled side's jobs would otherwise run (at normal priority: that daemon has no job) during the
+    next side, which is then measured on a busy machine."""
+    import anyio
+
+    with anyio.fail_after(POOL_SETTLE):
+        while True:  # the daemon says nothing when its pool fills: asked five times a second
+            if ((await daemon.client.daemon_info()).pool_ready or 0) >= size:
+                return
+            await anyio.sleep(0.2)
+
+
 async def b2b_rate(side: str, daemons: dict[str, Any], model: tuple[str, int, int, int, int, int],
                    nproc: int, stamps: Path) -> tuple[float, float]:
     """One side, a short then a long run back to back: the long run's steps/s on rank 0's clock (from
     step `short` on), and (long - short) steps over the difference of their wall times."""
     _, layers, width, batch, short, long = model
+    await pool_settled(daemons["pooled"])  # every side starts on a quiet machine (no refill of an earlier side)
     times = []
     for steps in (short, long):
         out = stamps / f"{side}-{steps}"
