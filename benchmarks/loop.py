@@ -277,14 +277,16 @@ POOL_SETTLE = 120.0  # seconds the pooled daemon's refill may take before a side
 
 
 async def pool_settled(daemon: Any, size: int = 2) -> None:
-    """Wait until the pooled daemon's warm pool holds `size` ready interpreters again: a refill after
+    """Wait until the pooled daemon's warm pool holds `size` ready interpreters again and refills none
+    (it may keep more than `size`, one set per kind of job it saw): a refill after
     the pooled side's jobs would otherwise run (at normal priority: that daemon has no job) during the
     next side, which is then measured on a busy machine."""
     import anyio
 
     with anyio.fail_after(POOL_SETTLE):
         while True:  # the daemon says nothing when its pool fills: asked five times a second
-            if ((await daemon.client.daemon_info()).pool_ready or 0) >= size:
+            info = await daemon.client.daemon_info()
+            if (info.pool_ready or 0) >= size and "refilling" not in (info.pool_state or ""):
                 return
             await anyio.sleep(0.2)
 

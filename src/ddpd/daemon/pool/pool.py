@@ -28,14 +28,15 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   never returned. None when none is ready (the rank starts cold). Every take wakes the refill,
   which spawns in the background (a task of the pool, not of the attempt). No polling: only
   pidfds, sockets, events and the next expiry's deadline.
-- **Priority**: a refill never slows a running job. Where the daemon may set a thread's policy both
-  ways (`can_idle`: a root daemon), refills start at once, as many as there are cores, and run
-  at SCHED_IDLE (every thread: the daemon sets it; threads started later inherit it) while jobs
-  hold cores, so they take only the CPU time those leave idle, and at normal priority the moment
-  no job runs (each job's start and end wake the pool, which switches them): a box busy with
-  other work still refills. A pool cgroup with the cpu controller also gets ``cpu.idle`` 1 while
-  jobs run. `take` gives every thread normal priority back before the attempt assigns it.
-  Elsewhere refills start only onto idle cores. `state` says which (``ddpctl daemon``).
+- **Priority**: a refill never slows a running job. Refills start only onto cores no running job's
+  ranks hold (so a job that holds every core is never shared with an `import torch`: measured,
+  a refill at SCHED_IDLE beside a latency-bound job still cost it a fifth of its steps/s). Where
+  the daemon may set a thread's policy both ways (`can_idle`: a root daemon), a refill that is
+  under way when a job starts goes to SCHED_IDLE (every thread: the daemon sets it; threads
+  started later inherit it) while jobs hold cores, and back to normal priority the moment no job
+  runs (each job's start and end wake the pool, which switches them). A pool cgroup with the cpu
+  controller also gets ``cpu.idle`` 1 while jobs run. `take` gives every thread normal priority
+  back before the attempt assigns it. `state` says which (``ddpctl daemon``).
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
 """
@@ -129,9 +130,8 @@ class WarmPool:
 
     def _idle_core(self) -> bool:
         """Whether a refill may start now: importing torch (seconds of CPU) must not slow a running
-        job, so at idle priority one per core whatever runs, else only onto idle cores."""
-        busy = 0 if self.idle_priority else self.busy_ranks()
-        return busy + len(self._starting) < self._cores
+        job, so only onto a core no running job's rank holds."""
+        return self.busy_ranks() + len(self._starting) < self._cores
 
     def state(self) -> str:
         """The pool in words, for ``ddpctl daemon``: warm, refilling, or cold and why."""
