@@ -29,7 +29,7 @@ BUDGET = 30.0  # seconds for the rounds (the file stays within about two minutes
 # DDPD_PREEMPT_ROUNDS=50 (make soak-preempt): exactly that many preemptions, however long they take
 EXACT_ROUNDS = int(os.environ.get("DDPD_PREEMPT_ROUNDS", "0"))
 if EXACT_ROUNDS:
-    STEPS = max(STEPS, 60 * EXACT_ROUNDS)  # room for every round's steps
+    STEPS = max(STEPS, 200 * EXACT_ROUNDS)  # room for every round's steps (each takes 30 to 60)
 
 # an unmodified script that checkpoints on SIGUSR1 (as a Slurm job does with --signal), and resumes
 SIGNALLED_SCRIPT = """

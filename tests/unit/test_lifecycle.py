@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddpd.daemon.run import lifecycle
-from ddpd.daemon.run.outcome import AttemptEnd
+from ddpd.daemon.run.outcome import AttemptEnd, Outcome, settle_stop
 from ddpd.protocol import JobState
 
 S = JobState
@@ -86,3 +86,16 @@ def test_removal_only_of_ended_jobs() -> None:
     assert lifecycle.removal_refused(S.CANCELLED) is None
     refused = lifecycle.removal_refused(S.RUNNING)
     assert refused is not None and "RUNNING" in refused
+
+
+@pytest.mark.parametrize("stop", [AttemptEnd.PREEMPTED, AttemptEnd.DAEMON_STOPPING, AttemptEnd.CANCELLED])
+def test_a_task_that_finished_its_last_step_while_asked_to_stop_succeeded(stop: AttemptEnd) -> None:
+    """Bug (found by 50 preemptions in a row): a preemption asked for as the job made its last step was
+    recorded PREEMPTED and the finished job queued to run again; a daemon stop would requeue it too."""
+    asked = Outcome(stop, "asked", graceful=True)
+    done = Outcome(AttemptEnd.SUCCEEDED, "all ranks succeeded")
+    assert settle_stop(asked, done, script=False) is done
+    assert settle_stop(asked, None, script=False) is asked  # a rank not done (or stopped early)
+    assert settle_stop(asked, done, script=True) is asked  # a script's clean exit does not say it finished
+    failed = Outcome(AttemptEnd.FAILED, "rank_failed")
+    assert settle_stop(failed, done, script=False) is failed

@@ -52,7 +52,7 @@ from ..pool.pool import WarmPool
 from ..ranklogs.keeper import LogKeeper, keep_logs
 from ..ranklogs.workspace import create_logs, live_streams, prepare_dirs
 from ..run.clock import Clock, RealClock, wait_until
-from ..run.outcome import AttemptEnd, Outcome
+from ..run.outcome import AttemptEnd, Outcome, settle_stop
 from ..run.rendezvous import Rendezvous, RendezvousError, close_rendezvous, hand_over, open_rendezvous
 from ..run.rootcause import Evidence, explain_hang, pick_root_cause
 from ..store.journal import Journal
@@ -223,6 +223,8 @@ class Attempt:
         return outcome
 
     def _finish_outcome(self, outcome: Outcome) -> Outcome:
+        stopped = any(h.result is not None and h.result.stopped_early for h in self.handles)
+        outcome = settle_stop(outcome, None if stopped else self.exit_outcome(), self.job.spec.script is not None)
         if outcome.end is AttemptEnd.FAILED and outcome.root_cause is None:
             outcome.root_cause = pick_root_cause(self._evidence(), self.number, outcome.reason)
         if outcome.hang and outcome.root_cause is not None:
