@@ -73,20 +73,33 @@ def scratch_dir() -> Path:
 
 
 def token_pids(token: str) -> list[int]:
-    """Processes (other than this one) whose environment carries the run's token."""
+    """Processes (other than this one) whose environment carries the run's token, and their
+    descendants (a daemon's warm-pool interpreters start with an environment of their own: without
+    them, a pooled daemon's refill went unseen and ran during the next measurement)."""
     needle = f"{TOKEN_ENV}={token}".encode()
     me = os.getpid()
-    found: list[int] = []
+    found: set[int] = set()
+    parents: dict[int, int] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
+        pid = int(name)
         try:
             env = Path(f"/proc/{name}/environ").read_bytes()
+            stat = Path(f"/proc/{name}/stat").read_text()
         except OSError:
             continue
+        parents[pid] = int(stat[stat.rindex(")") + 2:].split()[1])
         if needle in env.split(b"\0"):
-            found.append(int(name))
-    return found
+            found.add(pid)
+    for pid in parents:
+        seen, p = set(), parents.get(pid)
+        while p is not None and p not in found and p not in seen and p > 1:
+            seen.add(p)
+            p = parents.get(p)
+        if p in found:
+            found.add(pid)
+    return sorted(found)
 
 
 def sweep(token: str) -> list[int]:
