@@ -38,8 +38,8 @@ STOPS = frozenset({AttemptEnd.PREEMPTED, AttemptEnd.DAEMON_STOPPING, AttemptEnd.
 def settle_stop(concluded: Outcome, finished: Outcome | None, script: bool) -> Outcome:
     """A stop asked for (preemption, the daemon stopping, a cancel) while every rank was finishing its
     last step: a built-in task whose ranks all ended with their result, none stopped early (the
-    caller passes `finished` only then), is SUCCEEDED, not requeued to run again nor called cancelled. A script's result does
-    not say whether it stopped early, so its stop stands."""
+    caller passes `finished` only then), is SUCCEEDED, not requeued to run again nor called
+    cancelled. A script's result does not say whether it stopped early, so its stop stands."""
     if concluded.end in STOPS and not script and finished is not None and finished.end is AttemptEnd.SUCCEEDED:
         return finished
     return concluded
