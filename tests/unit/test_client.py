@@ -291,6 +291,12 @@ async def test_the_blocking_client_from_plain_threads(short_tmp: Path) -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("ddpd-client")]  # portals stopped
 
 
+# ddpctl as a terminal starts it: Ctrl-C raises KeyboardInterrupt. A test run started in the background
+# of a non-interactive shell has SIGINT ignored, and its children inherit that (Python then leaves it so)
+INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                 "sys.argv[0] = 'ddpctl'; runpy.run_module('ddpd.cli', run_name='__main__', alter_sys=True)")
+
+
 @pytest.mark.parametrize(("command", "shown"), [(["logs", "-f", "j1"], b"ready"),
                                                (["watch", "j1", "-o", "json"], b"RUNNING")])
 async def test_ctrl_c_stops_a_follow_stream_in_ddpctl_at_once(short_tmp: Path, command: list[str],
@@ -310,7 +316,7 @@ async def test_ctrl_c_stops_a_follow_stream_in_ddpctl_at_once(short_tmp: Path, c
     async with fake_daemon(short_tmp, handle) as fake:
         with anyio.fail_after(3 * TIMEOUT):  # a ddpctl's start (its imports) on a loaded 2-core machine
             async with await anyio.open_process(
-                [sys.executable, "-m", "ddpd.cli", "--socket", str(fake.path), *command],
+                [sys.executable, "-c", INTERRUPTIBLE, "--socket", str(fake.path), *command],
                 stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(REPO),
             ) as proc:
                 assert proc.stdout is not None
