@@ -106,6 +106,18 @@ def test_a_store_that_stops_answering_is_unreachable() -> None:
     assert watch.verdict(3.0) == Verdict("unreachable")
 
 
+def test_a_cut_link_reads_unreachable_not_a_lost_peer() -> None:
+    """Bug (a cut link, in CI): node 0's counter last moved at 1.0 and the last read answered at 1.9;
+    from 4.0 on, before the store's silence reached keep_alive (4.9), the peer read as lost."""
+    watch = NodeWatch(keep_alive=3.0, peers=[0], started=0.0)
+    watch.answered(1.0)
+    watch.beat(0, 5, 1.0)
+    watch.answered(1.9)
+    watch.beat(0, 5, 1.9)  # node 0 beats once a second: not yet again
+    assert watch.verdict(4.5) is None  # the link is cut: nothing answers, nothing is known of node 0
+    assert watch.verdict(4.9) == Verdict("unreachable")
+
+
 def test_a_written_failure_wins() -> None:
     watch = NodeWatch(keep_alive=2.0, peers=[0], started=0.0)
     watch.failed("node 0 (host a) failed: rank 1 died of signal SIGKILL")

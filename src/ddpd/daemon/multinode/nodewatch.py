@@ -53,7 +53,12 @@ class NodeWatch:
             return Verdict("failed", detail=self.failure)
         if now - (self.last_answer if self.last_answer is not None else self.started) >= self.keep_alive:
             return Verdict("unreachable")
+        # a peer is lost when the store kept answering and its counter did not move: judged up to the
+        # last answer, not up to now (a store that stopped answering says nothing of the peers; bug: a
+        # cut link read "node 0 lost" on the cut-off node, whose last reads were up to a beat newer
+        # than node 0's last change, before the store's silence reached keep_alive)
+        seen = self.last_answer if self.last_answer is not None else self.started
         for node in self.peers:
-            if now - self.last_change.get(node, self.started) >= self.keep_alive:
+            if seen - self.last_change.get(node, self.started) >= self.keep_alive:
                 return Verdict("lost", node=node)
         return None
