@@ -1,6 +1,6 @@
 """The live event stream: fan-out of events to followers (`events -f`, watch, metrics, status), and to
 listeners called as each event is published (the curves: they see every event, in order, before any
-reply that follows it)."""
+reply that follows it), in the order the events were stamped (`Outbox`)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,27 @@ class EventBus:
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._subs.discard(send)
                 send.close()
+
+
+class Outbox:
+    """Publication in stamp order: `take` a place when an event is stamped, `put` its view (None: nothing
+    to publish, its write was cancelled) when it is ready; the views are published in the places' order,
+    each as soon as every earlier one was put (by whichever caller puts last)."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self._first = 0  # the place at the head
+        self._ready: dict[int, EventView | None] = {}
+        self._next = 0
+
+    def take(self) -> int:
+        place, self._next = self._next, self._next + 1
+        return place
+
+    def put(self, place: int, view: EventView | None) -> None:
+        self._ready[place] = view
+        while self._first in self._ready:
+            ready = self._ready.pop(self._first)
+            self._first += 1
+            if ready is not None:
+                self.bus.publish(ready)

@@ -11,7 +11,7 @@ raise `StorageError`: a job is saved before it is published, and a failed save l
 
 Events reach followers in the order of their stamps: an event is stamped when it is made, and one made
 while an earlier one is still being committed (a live progress event, never stored, say) is held until
-the earlier one is published, then published right after it (`_Outbox`); no caller waits for that.
+the earlier one is published, then published right after it (`bus.Outbox`); no caller waits for that.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import structlog
 from ...protocol import JobSpec, JobState, RankState, check_job_transition, check_rank_transition
 from ...protocol.control import EventView, RootCause
 from ...protocol.limits import clip_text
-from .bus import EventBus
+from .bus import EventBus, Outbox
 from .errors import StorageError
 from .records import Job, Rank
 from .state import StateDB
@@ -48,30 +48,6 @@ _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed"
                           "gpu.quarantined", "job.gpu_idle", "job.notify_failed"})
 
 
-class _Outbox:
-    """Publication in stamp order: `take` a place when an event is stamped, `put` its view (None: nothing
-    to publish, its write was cancelled) when it is ready; the views are published in the places' order,
-    each as soon as every earlier one was put (by whichever caller puts last)."""
-
-    def __init__(self, bus: EventBus) -> None:
-        self.bus = bus
-        self._first = 0  # the place at the head
-        self._ready: dict[int, EventView | None] = {}
-        self._next = 0
-
-    def take(self) -> int:
-        place, self._next = self._next, self._next + 1
-        return place
-
-    def put(self, place: int, view: EventView | None) -> None:
-        self._ready[place] = view
-        while self._first in self._ready:
-            ready = self._ready.pop(self._first)
-            self._first += 1
-            if ready is not None:
-                self.bus.publish(ready)
-
-
 class Journal:
     """The one place job and rank state changes are recorded, and the only code that speaks SQL."""
 
@@ -83,7 +59,7 @@ class Journal:
         self._sleep = sleep
         self.failed_writes = 0
         self.batches = 0  # transactions committed by the group commit
-        self._outbox = _Outbox(bus)
+        self._outbox = Outbox(bus)
         self._degraded_until = 0.0  # monotonic: storage failed lately, do not stall supervision on retries
         self._queue: list[_Op] = []  # writes waiting for the next transaction
         self._flushing = False  # a writer is committing batches (the others wait for `_flushed`)
