@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from ddpd.protocol import JobState
@@ -38,9 +40,9 @@ async def test_pooled_rank_sees_no_gpu_then_one(gpu_pool_daemon: DaemonProc, gpu
     gpu_watch.assert_free(jobs)
 
 
-def native_cuda(pid: int) -> list[str]:
-    """What of the CUDA driver a process has loaded or opened: libcuda mappings, /dev/nvidia* descriptors."""
-    maps = [line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "libcuda.so" in line]
+def driver_files(pid: int) -> list[str]:
+    """The CUDA driver's device files a process holds open: cuInit opens /dev/nvidiactl (and a context
+    /dev/nvidiaN), so none open means no driver initialisation and no context."""
     fds = []
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -49,17 +51,37 @@ def native_cuda(pid: int) -> list[str]:
             continue
         if target.startswith("/dev/nvidia"):
             fds.append(f"fd {fd.name} -> {target}")
-    return sorted(set(maps)) + fds
+    return fds
+
+
+def libcuda_mapped(pid: int) -> bool:
+    return any("libcuda.so" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+_COLD_IMPORTS = """
+from pathlib import Path
+from ddpd.worker.bootstrap import pool_imports
+pool_imports()
+print(any("libcuda.so" in line for line in Path("/proc/self/maps").read_text().splitlines()))
+"""
 
 
 async def test_a_pooled_interpreter_has_not_touched_the_driver_before_its_assignment(
         gpu_pool_daemon: DaemonProc) -> None:
-    """Natively, not only through torch's Python flag: no libcuda.so mapped, no /dev/nvidia* open. A
-    CUDA context made before the assignment would pin the rank to the wrong GPU (and hold memory)."""
+    """Natively, not only through torch's Python flag: no /dev/nvidia* open (no cuInit, no context). A
+    CUDA context made before the assignment would pin the rank to the wrong GPU (and hold memory).
+    Loading libcuda.so is not initialising it: on the H200 machine (torch 2.11, CUDA 13 build) a plain
+    `import torch` maps it already (the test prints whether a cold interpreter importing the same modules
+    does too), and the driver reads CUDA_VISIBLE_DEVICES at cuInit, after the assignment."""
     d = gpu_pool_daemon
     pooled = await pool_full(d)
     for pid in pooled:
-        assert native_cuda(pid) == [], f"pooled interpreter {pid} has touched the CUDA driver"
+        assert driver_files(pid) == [], f"pooled interpreter {pid} has initialised the CUDA driver"
+    with anyio.fail_after(120):
+        cold = await anyio.run_process([sys.executable, "-c", _COLD_IMPORTS], check=False)
+    assert cold.returncode == 0, cold.stderr.decode()
+    print(f"libcuda.so mapped: pooled {[libcuda_mapped(pid) for pid in pooled]}, "
+          f"a cold interpreter after the same imports {cold.stdout.decode().split()[-1]}")
     job = await d.run(d.spec(task="tests.gpu.tasks:report_device", nproc=1, steps=5, device="cuda"))
     assert job.state == JobState.SUCCEEDED, job.root_cause
     assert job.ranks[0].pid in pooled

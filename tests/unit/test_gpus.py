@@ -153,6 +153,8 @@ async def test_a_configured_count_takes_nvmls_first_devices_or_names_them_by_pos
 
 _DISCOVER = """
 import json, sys
+if sys.argv[1] == "hide":  # an interpreter without nvidia-ml-py: discovery must take the fallback
+    sys.modules["pynvml"] = None
 from ddpd.daemon.gpu import gpus, rankenv
 try:
     import pynvml
@@ -160,27 +162,33 @@ try:
     nvml = True
 except Exception:
     nvml = False
-runs = [gpus.discover()]
-if nvml:  # NVML answered: also hide it (an interpreter without nvidia-ml-py) and take the fallback
-    sys.modules["pynvml"] = None
-    runs.append(gpus.discover())
-print(json.dumps({"nvml": nvml, "runs": [sorted({g.source for g in found}) for found in runs],
-                  "count": len(runs[-1]), "torch_here": "torch" in sys.modules}))
+found = gpus.discover()
+print(json.dumps({"nvml": nvml, "sources": sorted({g.source for g in found}), "count": len(found),
+                  "torch_here": "torch" in sys.modules}))
 """
+
+
+def _discover_in_child(mode: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", _DISCOVER, mode], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["torch_here"] is False, out
+    return out
 
 
 def test_discover_never_imports_torch_in_the_calling_process() -> None:
     """NVML where it answers; else (not installed, or no driver as on a CPU machine) torch in a child:
-    the calling process does not even import torch, so it cannot have initialised CUDA."""
-    done = subprocess.run([sys.executable, "-c", _DISCOVER], capture_output=True, text=True, timeout=120,
-                          cwd=REPO, check=False)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["torch_here"] is False, out
+    the calling process does not even import torch, so it cannot have initialised CUDA. Each discovery
+    runs in an interpreter of its own (NVML, once initialised, is kept for the process's life)."""
+    out = _discover_in_child("plain")
+    hidden = _discover_in_child("hide")
+    assert hidden["nvml"] is False, hidden
     if out["nvml"]:
-        assert out["runs"][0] in ([], ["nvml"]) and out["runs"][1] in ([], ["torch"]), out
+        assert out["sources"] in ([], ["nvml"]) and hidden["sources"] in ([], ["torch"]), (out, hidden)
+        assert hidden["count"] == out["count"], (out, hidden)
     else:
-        assert out["runs"] in ([[]], [["torch"]]), out
+        assert out["sources"] in ([], ["torch"]) and hidden["sources"] == out["sources"], (out, hidden)
         import torch
 
         if not torch.cuda.is_available():  # a CPU machine: the fallback finds no GPU
