@@ -36,7 +36,7 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
-          "max_restarts", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id",
+          "max_restarts", "hot_replace", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id",
           "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call", "notify", "notify_url", "preemptible")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
@@ -108,6 +108,9 @@ _OPTIONS: list[Callable[[F], F]] = [
     _seconds("--kill-grace", "Seconds between SIGTERM and SIGKILL."),
     _seconds("--stop-warning", "Seconds before the wall time at which ranks are asked to checkpoint and stop."),
     click.option("--max-restarts", type=int, default=None, metavar="N"),
+    click.option("--hot-replace", type=int, default=None, metavar="N",
+                 help="Ranks of a built-in task that may die and be replaced in place while the others keep "
+                 "training (default 3; 0: a lost rank restarts the attempt)."),
     click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
     click.option("--priority", type=int, default=None, metavar="N"),
     click.option("--preemptible", is_flag=True, default=None,

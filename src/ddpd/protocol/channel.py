@@ -9,7 +9,7 @@ import msgspec
 from .limits import TEXT_LIMIT
 from .spec import JobSpec
 
-Phase = Literal["store_connected", "joined", "training", "stopping", "done"]
+Phase = Literal["store_connected", "joined", "training", "stopping", "done", "reformed"]
 
 STACK_THREADS = 32  # threads one Stacks frame describes at most (the main thread first)
 STACK_TEXT = TEXT_LIMIT  # characters of one thread's formatted stack (clipped head and tail)
@@ -117,6 +117,11 @@ class Assign(_W, tag="assign"):
     # the store's host (local rank 0 where the daemon bound the attempt's port): the listening socket
     # comes with this frame (SCM_RIGHTS); the rank serves the attempt's TCPStore on it before its work
     serve_store: bool = False
+    # hot rank replacement (built-in tasks): the rank may wait for a Reform after a peer is lost; a
+    # replacement (generation > 0) joins the group re-formed on the store prefix of its generation and
+    # takes its state from the lowest rank instead of a checkpoint
+    hot_replace: bool = False
+    generation: Annotated[int, msgspec.Meta(ge=0, le=10**6)] = 0
 
 
 class Stop(_W, tag="stop"):
@@ -142,4 +147,12 @@ class Release(_W, tag="release"):
     the attempt's store after its own result, as torchrun's agent keeps its store)."""
 
 
-DaemonMessage = Assign | Stop | DumpStacks | AskStacks | Release
+class Reform(_W, tag="reform"):
+    """A rank was lost and is being replaced: leave the broken group, join the group of `generation`
+    (same world size, same ranks, the store prefix of that generation), take the lowest rank's model,
+    optimizer and step, and train on; a step in flight is redone."""
+
+    generation: Annotated[int, msgspec.Meta(ge=1, le=10**6)]
+
+
+DaemonMessage = Assign | Stop | DumpStacks | AskStacks | Release | Reform

@@ -257,6 +257,7 @@ class RankView(msgspec.Struct, omit_defaults=False):
     log: str | None = None
     stack_dump: bool = False
     gpus: list[RankGpu] = msgspec.field(default_factory=list)
+    replacements: int = 0  # times the rank was replaced in place (hot replacement) in this attempt
 
 
 class JobView(msgspec.Struct, omit_defaults=False):

@@ -22,7 +22,18 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ddpd.protocol.channel import AskStacks, Assign, DumpStacks, Failure, Heartbeat, Hello, Release, Result, Stop
+from ddpd.protocol.channel import (
+    AskStacks,
+    Assign,
+    DumpStacks,
+    Failure,
+    Heartbeat,
+    Hello,
+    Reform,
+    Release,
+    Result,
+    Stop,
+)
 from ddpd.protocol.framing import PROTOCOL_VERSION
 from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
@@ -89,6 +100,8 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
                     runtime.send(current_stacks(request))
                 case Release():
                     runtime.released.set()
+                case Reform(generation=generation):
+                    runtime.reforms.put(generation)
     except Exception as exc:  # OSError, or a bug: either way nobody listens to the daemon any more
         why = f"channel error: {exc!r}"
     runtime.channel.daemon_gone(why)

@@ -23,6 +23,7 @@ training on the CPU while it holds GPUs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -38,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpd.protocol.channel import Assign, Checkpointed, PhaseChanged, Progress, Result
 from ddpd.protocol.spec import JobSpec
 
+from . import reform
 from .checkpoint import load_checkpoint, save_checkpoint
 from .runtime import Runtime
 from .tasks import Task, TaskContext, default_forward, resolve_factory, to_device
@@ -119,12 +121,11 @@ def collective_timeout(assign: Assign, environ: Mapping[str, str] = os.environ) 
 
 def connect(runtime: Runtime, assign: Assign, backend: str) -> None:
     """Connect to the daemon's store, then join the process group; each reported as a phase."""
-    store = dist.TCPStore(assign.store_host, assign.store_port, assign.world_size,
-                          is_master=False, timeout=timedelta(seconds=assign.join_timeout))
+    runtime.store = dist.TCPStore(assign.store_host, assign.store_port, assign.world_size,
+                                  is_master=False, timeout=timedelta(seconds=assign.join_timeout))
     set_phase(runtime, "store_connected")
-    dist.init_process_group(backend, store=store, rank=assign.rank, world_size=assign.world_size,
-                            timeout=timedelta(seconds=collective_timeout(assign)))
-    set_phase(runtime, "joined")
+    reform.join(runtime, assign, backend, assign.generation, collective_timeout(assign))  # a replacement: its
+    set_phase(runtime, "joined")  # generation's group
 
 
 def set_phase(runtime: Runtime, phase: Any) -> None:
@@ -138,27 +139,29 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
     lr = float(ctx.options.get("lr", 0.01))
     model = task.model.to(device)
     optimizer = (task.optimizer or (lambda ps: torch.optim.SGD(ps, lr=lr)))(model.parameters())
-    start = load_checkpoint(assign.checkpoint_dir, model, optimizer, device)
-    if assign.world_size != assign.local_world_size:  # across nodes: the newest checkpoint of any node
-        start = newest_checkpoint(start, model, device if dist.get_backend() == "nccl" else torch.device("cpu"))
+    backend = dist.get_backend()
+    small = device if backend == "nccl" else torch.device("cpu")  # where votes and counters live
+    generation = assign.generation
+    if generation > 0:  # a replacement: the group's state, not a checkpoint
+        start = reform.share_state(model, optimizer, 0, device)
+        reform.reformed(runtime, generation, start)
+    else:
+        start = load_checkpoint(assign.checkpoint_dir, model, optimizer, device)
+        if assign.world_size != assign.local_world_size:  # across nodes: the newest checkpoint of any node
+            start = newest_checkpoint(start, model, small)
     saved = start
-    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = task.forward or default_forward
     autocast: Any = contextlib.nullcontext
     if device.type == "cuda" and ctx.options.get("bf16"):
         autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    data = batch_source(task, ctx, start * accumulate)
-    vote = StopVote(runtime, device if dist.get_backend() == "nccl" else torch.device("cpu"), start)
     reporter = ProgressReporter(runtime, progress_interval(assign.heartbeat_interval))
 
-    runtime.step = start
-    set_phase(runtime, "training")
-    step, stopped = start, False
-    while step < spec.steps:
-        if vote.agreed(step):
-            stopped = True
-            break
-        step += 1
+    def wrap(at: int) -> tuple[Any, Iterator[Any], StopVote]:
+        """DDP, the batches and the stop vote for a group that starts (or starts again) at step `at`."""
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        return ddp, batch_source(task, ctx, at * accumulate), StopVote(runtime, small, at)
+
+    def one_step(ddp: Any, data: Iterator[Any], step: int) -> None:
         if task.on_step is not None:
             task.on_step(step)
         optimizer.zero_grad(set_to_none=True)
@@ -173,8 +176,34 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
             losses.append(loss.detach())
         optimizer.step()
         reporter.stepped(step, losses, final=step >= spec.steps)
-        if spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0:
-            saved = checkpoint(runtime, assign, model, optimizer, step)
+
+    ddp, data, vote = wrap(start)
+    runtime.step = start
+    set_phase(runtime, "training")
+    step, stopped = start, False
+    while step < spec.steps:
+        try:
+            if vote.agreed(step):
+                stopped = True
+                break
+            one_step(ddp, data, step + 1)
+        except Exception as exc:
+            if not (assign.hot_replace and reform.peer_lost(exc)):
+                raise
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            step += 1
+            if spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0:
+                saved = checkpoint(runtime, assign, model, optimizer, step)
+            continue
+        # a peer was lost: leave the broken group (the exception, and with it the step's frames, is gone)
+        ddp = data = vote = None  # type: ignore[assignment]
+        reform.leave()
+        generation = reform.wait_reform(runtime, generation, why)
+        reform.join(runtime, assign, backend, generation, collective_timeout(assign))
+        step = reform.share_state(model, optimizer, step, device)
+        ddp, data, vote = wrap(step)
+        reform.reformed(runtime, generation, step)
 
     reporter.flush()
     if stopped:
@@ -294,7 +323,8 @@ def checkpoint(runtime: Runtime, assign: Assign, model: Any, optimizer: Any, ste
 
 
 def batch_source(task: Task, ctx: TaskContext, first: int) -> Iterator[Any]:
-    """Micro-batches from micro-batch index `first` on, on the rank's device."""
+    """Micro-batches from micro-batch index `first` on, on the rank's device (a resumed or re-formed
+    group sees the batches an uninterrupted run would)."""
     if task.batches is not None:
         index = first
         while True:
@@ -310,9 +340,11 @@ def batch_source(task: Task, ctx: TaskContext, first: int) -> Iterator[Any]:
     per_epoch = len(loader)
     if per_epoch == 0:
         raise ValueError("the task's dataset is too small for one batch per rank")
-    epoch = first // per_epoch
+    epoch, skip = divmod(first, per_epoch)
     while True:
         sampler.set_epoch(epoch)
-        for batch in loader:
+        # the batches of this epoch before `first` are drawn and dropped: the sampler's order (and
+        # any random transform) stays the one an uninterrupted run sees
+        for batch in itertools.islice(loader, skip, None):
             yield to_device(batch, ctx.device)
-        epoch += 1
+        epoch, skip = epoch + 1, 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import os
+import queue
 import signal
 import socket
 import sys
@@ -114,6 +115,8 @@ class Runtime:
         # objects never to be freed before os._exit: destroying a DDP model after its process group
         # can block in native code, so the worker leaves without running those destructors
         self.keepalive: list[Any] = []
+        self.store: Any = None  # the attempt's TCPStore client (a re-formed group takes a prefix of it)
+        self.reforms: queue.Queue[int] = queue.Queue()  # generations the daemon's Reform frames named
 
         self._progress_tokens = PROGRESS_BURST
         self._progress_at = time.monotonic()

@@ -61,6 +61,7 @@ from .deadlines import Limits, Watch, check
 from .gang import RankGang
 from .launch import LaunchContext, Launcher
 from .ranks import RankHandle, finished_outcome, read_frames, watch_exit
+from .replace import Replacements, reform
 from .stacks import collect, find_py_spy
 from .teardown import escalate
 
@@ -112,6 +113,13 @@ class Attempt:
         self.checkpoint_dir = checkpoint_dir(config.state_dir, job.owner_uid, job.id)
         self.identity: Identity | None = None
         self.log = log.bind(job_id=job.id, attempt=number)
+        self.replacements = Replacements(job, store_host_rank=None)
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def offset(self) -> int:
+        """The global rank of this node's local rank 0 (0 on one node)."""
+        return 0 if self.layout is None else self.layout.offset
 
     @property
     def handles(self) -> list[RankHandle]:
@@ -193,6 +201,7 @@ class Attempt:
         try:
             await self._report_fences(rdzv)
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 try:
                     tg.start_soon(self._logs.run)
                     await self._launch(tg, rdzv)
@@ -235,10 +244,10 @@ class Attempt:
         return outcome
 
     def _evidence(self) -> list[Evidence]:
-        return [
+        return [  # ranks replaced in place too: a re-form that failed has the lost rank as its cause
             Evidence(rank=h.rank.rank, state=h.state_at_failure or h.rank.state.value, exit=h.exit,
                      failure=h.failure, failed_at=h.failed_at, signals_sent_before_exit=h.signals_before_exit)
-            for h in self.handles
+            for h in [*self.replacements.lost, *self.handles]
         ]
 
     # -- launching -------------------------------------------------------------------------
@@ -261,45 +270,73 @@ class Attempt:
             await self.journal.event(job, "job.limits", applied=limits.applied, unavailable=limits.unavailable)
         launcher = self._launcher = self._launcher_for(rdzv)
         launcher.use_pool()
+        self.replacements.store_host_rank = self.offset if rdzv.hosted else None
         # the row, its marker and its cgroup first: a daemon killed mid-spawn finds this attempt's processes
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)
-        offset = 0 if self.layout is None else self.layout.offset  # global ranks of a multi-node job
         for local in range(job.spec.nproc):
             if self.outcome is not None:
                 return
-            r = offset + local
-            log_path = self.dir / rank_log_name(r)
+            h = await self._start_rank(tg, local)
+            if h is None:
+                return
+            if h is self.handles[0]:
+                await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=launcher.rdzv.port,
+                                                token=self.token, cgroup=cgroup)
+
+    async def _start_rank(self, tg: anyio.abc.TaskGroup, local: int,
+                          lost: RankHandle | None = None) -> RankHandle | None:
+        """Start local rank `local` (or the replacement of `lost`: its log appended after a marker line,
+        its place in the gang and the job's ranks taken over); None when it cannot start (concluded)."""
+        job, launcher = self.job, self._launcher
+        assert self.identity is not None and launcher is not None
+        r = self.offset + local
+        log_path = self.dir / rank_log_name(r)
+        try:
+            fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
+                                                 self.number, r)
             try:
-                fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
-                                                     self.number, r)
-                try:
+                if lost is not None:
+                    marker = (f"ddpd: rank {r} (pid {lost.proc.pid}) was lost; its replacement (generation "
+                              f"{launcher.generations.get(local, 0)}) writes from here\n").encode()
+                    for fd in fds:
+                        os.write(fd, marker)
+                    logs = lost.logs
+                    lost.logs = None
+                else:
                     logs = await anyio.to_thread.run_sync(
                         live_streams, self.config.state_dir, self.identity, job, self.number,
                         [str(log_path), stderr_log(str(log_path))], list(fds))
-                    try:
-                        h = await launcher.start(local, log_path, fds, self.gang.pgid)
-                    except BaseException:
+                try:
+                    h = await launcher.start(local, log_path, fds, self.gang.pgid)
+                except BaseException:
+                    if logs is not None:
                         logs.close()
-                        raise
-                    h.logs = logs
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-            except OSError as exc:
-                self.conclude(Outcome(AttemptEnd.FAILED, "spawn_failed", RootCause(
-                    reason="spawn_failed", rank=r, attempt=self.number,
-                    detail=clip_text(f"cannot start rank {r}: {exc}"))))
-                return
-            first = self.gang.add(h)
+                    raise
+                h.logs = logs
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except OSError as exc:
+            self.conclude(Outcome(AttemptEnd.FAILED, "spawn_failed", RootCause(
+                reason="spawn_failed", rank=r, attempt=self.number,
+                detail=clip_text(f"cannot start rank {r}: {exc}"))))
+            return None
+        if lost is None:
+            self.gang.add(h)
             job.ranks.append(h.rank)
-            await self.journal.save_rank(job, h.rank)
-            await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=self.gang.pgid,
-                                     log=str(log_path), **({"pooled": True} if h.pooled else {}))
-            tg.start_soon(self._rank_tasks, h)
-            if first:
-                await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=launcher.rdzv.port,
-                                                token=self.token, cgroup=cgroup)
+        else:
+            h.rank.replacements = lost.rank.replacements + 1
+            self.gang.take_over(lost, h)
+            job.ranks[job.ranks.index(lost.rank)] = h.rank
+        await self.journal.save_rank(job, h.rank)
+        told: dict[str, Any] = {"pooled": True} if h.pooled else {}
+        if lost is not None:
+            told["replaces"] = lost.proc.pid
+        await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=self.gang.pgid,
+                                 log=str(log_path), **told)
+        tg.start_soon(self._rank_tasks, h)
+        return h
 
     async def _create_cgroup(self) -> str | None:
         """The attempt's cgroup under the daemon's subtree (its path), or None: without one, the ranks
@@ -328,13 +365,45 @@ class Attempt:
     async def _rank_tasks(self, h: RankHandle) -> None:
         """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""
         with bound_contextvars(job_id=self.job.id, attempt=self.number, rank=h.rank.rank):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_exit, h, self)
-                log_max = min(self.job.spec.log_max or self.config.rank_log_max, self.config.rank_log_max)
-                tg.start_soon(keep_logs, h, self._logs, log_max)
-                if h.hello is not None:  # a pooled rank said hello to the pool
-                    await self.connected(h, h.hello)
-                await read_frames(h, self)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch_exit, h, self)
+                    log_max = min(self.job.spec.log_max or self.config.rank_log_max, self.config.rank_log_max)
+                    tg.start_soon(keep_logs, h, self._logs, log_max)
+                    if h.hello is not None:  # a pooled rank said hello to the pool
+                        await self.connected(h, h.hello)
+                    await read_frames(h, self)
+            finally:
+                h.tasks_done.set()
+
+    # -- hot replacement (replace.py) --------------------------------------------------------
+
+    def lost(self, h: RankHandle) -> str | None:
+        """A rank died: None when it is replaced in place (reserved now), else why not."""
+        why = self.replacements.refusal(h, concluded=self.outcome is not None or self._tg is None,
+                                        signalled=bool(self.gang.signals_sent))
+        if why is None:
+            self.replacements.begin(h, self.clock.monotonic())
+        return why
+
+    def replace(self, h: RankHandle) -> None:
+        r = self.replacements.under_way
+        assert self._tg is not None and r is not None and r.lost is h
+        self._tg.start_soon(reform, self, self.replacements, r)
+
+    async def reformed(self, h: RankHandle) -> None:
+        self.replacements.on_reformed(h, self.clock.monotonic(), self.job.spec.nproc)
+
+    def live(self) -> list[RankHandle]:
+        return self.gang.live()
+
+    def generation_of(self, local: int, generation: int) -> None:
+        assert self._launcher is not None
+        self._launcher.generations[local] = generation
+
+    async def start_replacement(self, local: int, lost: RankHandle) -> RankHandle | None:
+        assert self._tg is not None
+        return await self._start_rank(self._tg, local, lost)
 
     async def connected(self, h: RankHandle, hello: Hello) -> None:
         """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.
@@ -349,6 +418,7 @@ class Attempt:
                                       pooled=h.pooled)
         assert self._launcher is not None
         await hand_over(self._launcher.rdzv, h.channel, self._launcher.assignment(h, self.gang.pgid or 0))
+        self.replacements.connected(h, self.clock.monotonic())
 
     def port_owner(self) -> PortOwner:
         """Who may connect to this attempt's ports from this host (portfence): its owner, and root."""
@@ -367,8 +437,8 @@ class Attempt:
         """Local rank 0 serves the store after its own result until every other local rank has exited."""
         if not rdzv.hosted or not self.handles or len(self.handles) != self.job.spec.nproc:
             return
-        for h in self.handles[1:]:
-            await h.exited.wait()
+        while waiting := [h for h in self.handles[1:] if not h.exited.is_set()]:  # replacements included
+            await waiting[0].exited.wait()
         await self.handles[0].channel.send(Release())
 
     async def check_pgid(self, h: RankHandle) -> None:

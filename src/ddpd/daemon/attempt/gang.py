@@ -60,6 +60,10 @@ class RankGang:
         self.handles.append(h)
         return first
 
+    def take_over(self, lost: RankHandle, new: RankHandle) -> None:
+        """A replacement takes the lost rank's place (hot replacement); the lost one has exited."""
+        self.handles[self.handles.index(lost)] = new
+
     def live(self) -> list[RankHandle]:
         return [h for h in self.handles if not h.exited.is_set()]
 

@@ -33,6 +33,7 @@ import anyio.to_thread
 import msgspec
 
 from ...protocol.channel import Assign
+from ...protocol.spec import hot_replacements
 from ...protocol.worker import MARKER_ENV, is_reserved_env, worker_args
 from ..config import Config
 from ..contain import procs
@@ -138,6 +139,8 @@ class Launcher:
         self.envs: dict[int, dict[str, str]] = {}
         self.pool_envs: dict[int, dict[str, str]] = {}  # what each pooled rank was started with
         self.shape = self._shape(ctx.identity)
+        self.hot_replace = hot_replacements(job.spec) > 0  # every rank may wait for a Reform
+        self.generations: dict[int, int] = {}  # local rank -> the generation its replacement joins
 
     def _shape(self, identity: Identity) -> Shape:
         """This job's pool key and how a pooled interpreter of it is started (as a cold rank would be)."""
@@ -247,4 +250,5 @@ class Launcher:
             pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "", unset=unset,
             err_path=stderr_log(rank.log or "") if h.pooled and rank.log else "",
             serve_store=self.rdzv.hosted and local == 0,
+            hot_replace=self.hot_replace, generation=self.generations.get(local, 0),
         )

@@ -54,6 +54,7 @@ RESULT_WAIT = 1.0  # after the exit: how long the frames it sent just before (it
 # ... and after a clean exit with no result read yet: the reader may be behind on journal writes that
 # retry while the database is locked (each try waits the busy timeout), so wait out the journal's worst case
 CLEAN_EXIT_RESULT_WAIT = 30.0
+NOT_ALLOWED = "the job allows no hot replacement"  # the refusal not worth saying in the exit event
 
 
 class FrameBudget:
@@ -94,6 +95,7 @@ class RankHandle:
     hello: Hello | None = None  # a pooled rank's Hello, said to the pool before it was taken
     exited: anyio.Event = field(default_factory=anyio.Event)
     reader_done: anyio.Event = field(default_factory=anyio.Event)
+    tasks_done: anyio.Event = field(default_factory=anyio.Event)  # its reader, exit watch and log keeping ended
     exit: procs.Exit | None = None
     result: Result | None = None
     failure: Failure | None = None
@@ -138,6 +140,9 @@ class RankContext(Protocol):
     async def connected(self, h: RankHandle, hello: Hello) -> None: ...
     async def check_pgid(self, h: RankHandle) -> None: ...
     def exit_outcome(self) -> Outcome | None: ...
+    def lost(self, h: RankHandle) -> str | None: ...
+    def replace(self, h: RankHandle) -> None: ...
+    async def reformed(self, h: RankHandle) -> None: ...
 
 
 def rank_succeeded(exit_: procs.Exit | None, result: Result | None, script: bool) -> bool:
@@ -221,6 +226,9 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             rank.last_step_change = now  # DDP is built: the progress clock starts over
             if rank.state is RankState.JOINED:
                 await journal.rank_state(job, rank, RankState.TRAINING)
+        case PhaseChanged(phase="reformed"):  # hot replacement: the rank trains again in a new group
+            rank.last_step_change = now
+            await ctx.reformed(h)
         case PhaseChanged(phase="done"):
             h.finished = True  # a silence from now on is a stall at exit (deadlines, rootcause)
         case PhaseChanged():
@@ -288,14 +296,20 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
     if not ok:
         h.fail(ctx.clock.monotonic())
     h.exited.set()
-    if not ok:  # decided before the journal write: teardown of the peers starts at once
+    # a rank lost while training may be replaced in place (replace.py): decided at once, and the
+    # replacement starts once the lost rank's exit is recorded
+    not_replaced = None if ok else ctx.lost(h)
+    if not ok and not_replaced is not None:  # decided before the journal write: teardown starts at once
         cause = None
         if exit_.ok:  # exit 0 without the Result frame: not a success
             cause = RootCause(reason="rank_failed", rank=rank.rank, attempt=ctx.number, exit_code=0,
                               phase=rank.state.value, detail=f"rank {rank.rank} exited 0 without sending its result")
         ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed", cause))
+    told = {} if ok or not_replaced == NOT_ALLOWED else {"hot_replace": not_replaced or "replacing"}
     await ctx.journal.rank_state(ctx.job, rank, RankState.EXITED, "rank.exited",
-                                 exit_code=exit_.code, signal=exit_.signal)
+                                 exit_code=exit_.code, signal=exit_.signal, **told)
+    if not ok and not_replaced is None:
+        ctx.replace(h)
     if ok and (outcome := ctx.exit_outcome()) is not None:
         ctx.conclude(outcome)
 

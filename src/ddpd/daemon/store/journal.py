@@ -422,6 +422,7 @@ def rank_row(job_id: str, rank: Rank) -> dict[str, Any]:
         "job_id": job_id, "attempt": rank.attempt, "rank": rank.rank, "state": rank.state.value, "pid": rank.pid,
         "pgid": rank.pgid, "step": rank.step, "loss": rank.loss, "exit_code": rank.exit_code,
         "signal": rank.signal, "checksum": rank.checksum, "log": rank.log, "stack_dump": int(rank.stack_dump),
+        "replacements": rank.replacements,
     }
 
 
@@ -457,4 +458,5 @@ def rank_from_row(row: Any) -> Rank:
         rank=row["rank"], attempt=row["attempt"], state=RankState(row["state"]), pid=row["pid"], pgid=row["pgid"],
         step=row["step"], loss=row["loss"], exit_code=row["exit_code"], signal=row["signal"],
         checksum=row["checksum"], log=row["log"], stack_dump=bool(row["stack_dump"]),
+        replacements=row["replacements"],
     )

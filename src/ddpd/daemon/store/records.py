@@ -35,6 +35,7 @@ class Rank:
     checksum: float | None = None
     log: str | None = None
     stack_dump: bool = False
+    replacements: int = 0  # times this rank was replaced in place during the attempt (hot replacement)
 
     def view(self, now: float) -> RankView:
         age = None if self.last_frame is None or self.state is RankState.EXITED else now - self.last_frame
@@ -52,6 +53,7 @@ class Rank:
             checksum=self.checksum,
             log=self.log,
             stack_dump=self.stack_dump,
+            replacements=self.replacements,
         )
 
 
@@ -90,6 +92,7 @@ class Job:
     # each live rank log's last rotation, by path: set by the log keeper's thread just before the
     # live log is emptied (one dict item assignment), read by the daemon's log readers
     log_cuts: dict[str, LogCut] = field(default_factory=dict)
+    hot_replaced: int = 0  # ranks replaced in place so far, all attempts (this daemon's run; not stored)
 
     def check_owner(self, uid: int, what: str) -> None:
         """ForbiddenError unless `uid` is the job's owner or root: who may `what` (cancel, remove...) it."""

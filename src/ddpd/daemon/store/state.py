@@ -24,7 +24,7 @@ from .errors import StorageError
 T = TypeVar("T")
 
 BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
-SCHEMA_VERSION = 4  # 4: the usage table (fair share)
+SCHEMA_VERSION = 5  # 4: the usage table (fair share); 5: ranks.replacements (hot replacement)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS ranks (
     checksum REAL,
     log TEXT,
     stack_dump INTEGER NOT NULL DEFAULT 0,
+    replacements INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job_id, attempt, rank)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -93,7 +94,8 @@ CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 
 
 # columns added after the first release: (table, column, declaration)
-MIGRATIONS = (("jobs", "idempotency_key", "TEXT"), ("attempts", "cgroup", "TEXT"))
+MIGRATIONS = (("jobs", "idempotency_key", "TEXT"), ("attempts", "cgroup", "TEXT"),
+              ("ranks", "replacements", "INTEGER NOT NULL DEFAULT 0"))
 # columns of the first release that nothing ever wrote or read, dropped from databases that have them
 RETIRED = (("attempts", "ended_at"), ("attempts", "root_cause"))
 INDEXES = """

@@ -1,0 +1,173 @@
+"""Hot rank replacement, the daemon's side: whether a lost rank is replaced in place, and the re-form.
+
+A rank of a built-in task's attempt that dies while training (a signal, a non-zero exit) is
+replaced when the job allows it (`spec.hot_replacements`, counted over the job) and none of the
+refusals below holds; then the survivors keep running: each is sent a `Reform` naming the next
+generation, a replacement starts with the dead rank's number, log (appended, after a marker line),
+devices and cgroup (from the warm pool when it has one, else cold), and every rank joins the
+generation's group and takes rank 0's state (`worker.reform`). The attempt waits READY_WAIT for
+the replacement to connect and REFORM_WAIT for every rank to say it re-formed; past either, or
+when the replacement dies first, it falls back to today's path: the attempt fails with the lost
+rank as its root cause, and the job restarts from its checkpoint if `max_restarts` allows.
+
+Refused (the attempt fails as before): the job allows none or has used them; the daemon stopped the
+rank (a timeout, a cancel, a teardown); rank 0 (it serves the attempt's store); a rank not yet
+training (nothing to keep); a rank that finished its work; a second loss while a re-form is under
+way (more than one rank at once); a rank whose Python failure repeats one a replacement already
+redid (the same error and message twice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+
+from ...protocol import RankState
+from ...protocol.channel import Reform
+from ...protocol.spec import hot_replacements
+from ..run.clock import Clock
+from ..run.outcome import AttemptEnd, Outcome
+from ..store.journal import Journal
+from ..store.records import Job
+from .ranks import NOT_ALLOWED, RankHandle
+
+READY_WAIT = 5.0  # seconds for the replacement to connect (pooled: at once; cold: an interpreter start)
+REFORM_WAIT = 10.0  # seconds for every rank to re-form once the replacement connected
+LOGS_WAIT = 2.0  # seconds for the lost rank's tasks (its log's last look) to end
+
+
+@dataclass(eq=False)
+class Reforming:
+    """One replacement under way: the lost rank, its generation, and what has happened since."""
+
+    lost: RankHandle
+    generation: int
+    noticed: float  # monotonic: when the daemon saw the exit
+    ready: anyio.Event = field(default_factory=anyio.Event)  # the replacement connected
+    done: anyio.Event = field(default_factory=anyio.Event)  # every rank re-formed
+    reformed: set[int] = field(default_factory=set)
+    ready_at: float | None = None
+    joined_at: float | None = None
+    replacement: RankHandle | None = None
+
+
+@dataclass
+class Replacements:
+    """An attempt's replacements: the current generation, the one under way, the failures redone."""
+
+    job: Job
+    store_host_rank: int | None  # the rank serving the attempt's store (never replaced), if any
+    generation: int = 0
+    under_way: Reforming | None = None
+    redone: set[tuple[str, str]] = field(default_factory=set)  # (error, message) of failures replaced once
+    lost: list[RankHandle] = field(default_factory=list)  # every handle replaced (root-cause evidence)
+
+    def refusal(self, h: RankHandle, *, concluded: bool, signalled: bool) -> str | None:
+        """Why the lost rank `h` is not replaced; None: it is."""
+        allowed = hot_replacements(self.job.spec)
+        if allowed == 0:
+            return NOT_ALLOWED
+        if self.job.hot_replaced >= allowed:
+            return f"the job's {allowed} hot replacement(s) are used"
+        if concluded or signalled or self.job.cancel_requested:
+            return "the daemon was stopping the attempt"
+        if h.rank.rank == self.store_host_rank:
+            return f"rank {h.rank.rank} serves the attempt's store"
+        if h.finished or h.result is not None:
+            return "the rank had finished its work"
+        if h.rank.state is not RankState.TRAINING:
+            return f"the rank was lost before training ({h.rank.state.value})"
+        if self.under_way is not None:
+            return f"rank {self.under_way.lost.rank.rank} was still being replaced (more than one rank lost at once)"
+        if h.failure is not None and (h.failure.error, h.failure.message) in self.redone:
+            return f"the replacement would repeat the same failure ({h.failure.error}: {h.failure.message})"
+        return None
+
+    def begin(self, h: RankHandle, now: float) -> Reforming:
+        """Reserve the replacement of `h` (the refusal was None)."""
+        self.generation += 1
+        self.job.hot_replaced += 1
+        if h.failure is not None:
+            self.redone.add((h.failure.error, h.failure.message))
+        self.lost.append(h)
+        self.under_way = Reforming(lost=h, generation=self.generation, noticed=now)
+        return self.under_way
+
+    def connected(self, h: RankHandle, now: float) -> None:
+        r = self.under_way
+        if r is not None and r.replacement is h and not r.ready.is_set():
+            r.ready_at = now
+            r.ready.set()
+
+    def on_reformed(self, h: RankHandle, now: float, nproc: int) -> None:
+        """Rank `h` re-formed (the replacement: took the state; a survivor: joined and took it)."""
+        r = self.under_way
+        if r is None:
+            return
+        r.reformed.add(h.rank.rank)
+        if len(r.reformed) >= nproc and not r.done.is_set():
+            r.joined_at = now
+            r.done.set()
+
+
+class ReplaceHost(Protocol):
+    """What the re-form needs from its attempt."""
+
+    job: Job
+    journal: Journal
+    clock: Clock
+
+    @property
+    def offset(self) -> int: ...
+    def conclude(self, outcome: Outcome) -> None: ...
+    def live(self) -> list[RankHandle]: ...
+    def generation_of(self, local: int, generation: int) -> None: ...
+    async def start_replacement(self, local: int, lost: RankHandle) -> RankHandle | None: ...
+
+
+async def reform(host: ReplaceHost, reps: Replacements, r: Reforming) -> None:
+    """Replace `r.lost` in place: tell the survivors, start the replacement, wait (bounded) until every
+    rank re-formed; past a bound, the attempt fails with the lost rank as its root cause."""
+    job, lost = host.job, r.lost
+    rank = lost.rank.rank
+    await host.journal.event(job, "rank.lost", rank=rank, pid=lost.proc.pid, exit_code=lost.rank.exit_code,
+                             signal=lost.rank.signal, step=lost.rank.step, generation=r.generation,
+                             replacements_left=hot_replacements(job.spec) - job.hot_replaced)
+    for h in host.live():
+        await h.channel.send(Reform(generation=r.generation))
+    with anyio.move_on_after(LOGS_WAIT):  # its log's last look is done before the replacement writes
+        await lost.tasks_done.wait()
+    host.generation_of(rank - host.offset, r.generation)
+    new = await host.start_replacement(rank - host.offset, lost)
+    if new is None:
+        return  # it could not start: the attempt failed naming why
+    r.replacement = new
+    if new.hello is not None:  # pooled: connected already
+        reps.connected(new, host.clock.monotonic())
+    with anyio.move_on_after(READY_WAIT) as waited:
+        await r.ready.wait()
+    if waited.cancelled_caught:
+        await failed(host, reps, r, f"no replacement for rank {rank} connected within {READY_WAIT:g}s")
+        return
+    with anyio.move_on_after(REFORM_WAIT) as waited:
+        await r.done.wait()
+    if waited.cancelled_caught:
+        missing = sorted(set(range(host.offset, host.offset + job.spec.nproc)) - r.reformed)
+        await failed(host, reps, r, f"ranks {missing} did not re-form within {REFORM_WAIT:g}s")
+        return
+    now = host.clock.monotonic()
+    reps.under_way = None
+    assert r.ready_at is not None and r.joined_at is not None
+    await host.journal.event(job, "rank.replaced", rank=rank, pid=new.proc.pid, lost_pid=lost.proc.pid,
+                             generation=r.generation, pooled=new.pooled, step=new.rank.step,
+                             ready=round(r.ready_at - r.noticed, 3), reformed=round(r.joined_at - r.noticed, 3),
+                             seconds=round(now - r.noticed, 3), replacements=new.rank.replacements)
+
+
+async def failed(host: ReplaceHost, reps: Replacements, r: Reforming, why: str) -> None:
+    """The re-form failed: today's path (the attempt fails; the job restarts if it may)."""
+    await host.journal.event(host.job, "rank.replace_failed", rank=r.lost.rank.rank, generation=r.generation,
+                             reason=why)
+    host.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))

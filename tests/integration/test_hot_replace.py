@@ -1,0 +1,121 @@
+"""Hot rank replacement: a rank killed mid-training is replaced in place; the survivors keep their
+processes and state, and the job ends as an uninterrupted run of the same seed would."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.protocol import JobState
+from ddpd.protocol.control import EventView, JobView
+
+from ..conftest import DaemonProc, assert_gone, running_daemon
+
+pytestmark = pytest.mark.anyio
+
+STEP_SLEEP = 0.01
+
+
+@pytest.fixture
+async def pooled(short_tmp: Path) -> AsyncIterator[DaemonProc]:
+    """The default path: a daemon with its warm pool (a replacement comes from it when one is ready)."""
+    async with running_daemon(short_tmp, "--pool-size", "4", "--cpu-slots", "8") as d:
+        yield d
+
+
+async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:
+    with anyio.fail_after(30):
+        return [e async for e in d.client.events(job_id)]
+
+
+async def kill_rank(d: DaemonProc, job_id: str, rank: int, after_step: int) -> tuple[int, dict[int, int]]:
+    """SIGKILL `rank` once the job passed `after_step`; (its pid, every other rank's pid)."""
+    await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.data["step"] >= after_step)
+    view = await d.client.status(job_id)
+    pids = {r.rank: r.pid for r in view.ranks if r.pid is not None}
+    victim = pids.pop(rank)
+    os.kill(victim, signal.SIGKILL)
+    return victim, pids
+
+
+def checksums(job: JobView) -> set[float | None]:
+    return {r.checksum for r in job.ranks}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+async def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_an_uninterrupted_one(
+        pooled: DaemonProc, nproc: int) -> None:
+    d = pooled
+    spec = d.spec(task="tests.tasks:slow", nproc=nproc, steps=400, seed=7, options={"step_sleep": STEP_SLEEP})
+    reference = await d.run(spec)
+    assert reference.state == JobState.SUCCEEDED, reference.root_cause
+    assert len(checksums(reference)) == 1
+
+    job_id = await d.client.submit(spec)
+    victim, survivors = await kill_rank(d, job_id, 1, after_step=100)
+    with anyio.fail_after(120):
+        job = await d.client.wait(job_id)
+    assert job.state == JobState.SUCCEEDED, job.root_cause
+    assert job.attempt == 1, "the job restarted instead of replacing the rank"
+    assert checksums(job) == checksums(reference), (checksums(job), checksums(reference))
+    assert {r.rank: r.pid for r in job.ranks if r.rank != 1} == survivors, "a survivor was replaced"
+    assert job.ranks[1].pid != victim
+    assert [r.replacements for r in job.ranks] == [0, 1] + [0] * (nproc - 2)
+    events = await events_of(d, job_id)
+    replaced = [e for e in events if e.kind == "rank.replaced"]
+    assert len(replaced) == 1, [e.kind for e in events]
+    data = replaced[0].data
+    print("rank.replaced", data)
+    assert replaced[0].rank == 1 and data["lost_pid"] == victim and data["generation"] == 1
+    assert 0 < data["ready"] <= data["reformed"] <= data["seconds"]
+    lost = [e for e in events if e.kind == "rank.lost"]
+    assert len(lost) == 1 and lost[0].data["signal"] == "SIGKILL"
+    log = Path(job.ranks[1].log or "").read_text()
+    assert f"ddpd: rank 1 (pid {victim}) was lost" in log
+    assert_gone(victim)
+
+
+async def test_rank_0_and_jobs_that_allow_none_restart_as_before(pooled: DaemonProc) -> None:
+    """Rank 0 serves the attempt's store: its loss restarts the attempt; so does any loss with --hot-replace 0."""
+    d = pooled
+    for rank, allowed in ((0, None), (1, 0)):
+        spec = d.spec(task="tests.tasks:slow", nproc=2, steps=100_000, options={"step_sleep": STEP_SLEEP},
+                      hot_replace=allowed)
+        job_id = await d.client.submit(spec)
+        await kill_rank(d, job_id, rank, after_step=5)
+        with anyio.fail_after(60):
+            job = await d.client.wait(job_id)
+        assert job.state == JobState.FAILED
+        assert job.root_cause is not None and job.root_cause.rank == rank and job.root_cause.signal == "SIGKILL"
+        kinds = [e.kind for e in await events_of(d, job_id)]
+        assert "rank.replaced" not in kinds and "rank.lost" not in kinds
+
+
+async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_uninterrupted_run(
+        pooled: DaemonProc) -> None:
+    d = pooled
+    spec = d.spec(task="tests.tasks:slow", nproc=3, steps=600, seed=11, options={"step_sleep": STEP_SLEEP},
+                  hot_replace=3)
+    reference = await d.run(spec)
+    assert reference.state == JobState.SUCCEEDED, reference.root_cause
+    job_id = await d.client.submit(spec)
+    pick = random.Random(5)
+    killed = []
+    for round_ in range(3):
+        rank = pick.choice([1, 2])  # rank 0 serves the store: its loss restarts (tested above)
+        victim, _ = await kill_rank(d, job_id, rank, after_step=80 * (round_ + 1))
+        killed.append(victim)
+        await d.wait_event(job_id, lambda e: e.kind == "rank.replaced" and e.data["lost_pid"] == victim)
+    with anyio.fail_after(120):
+        job = await d.client.wait(job_id)
+    assert job.state == JobState.SUCCEEDED and job.attempt == 1, job.root_cause
+    assert checksums(job) == checksums(reference)
+    assert sum(r.replacements for r in job.ranks) == 3
+    for pid in killed:
+        assert_gone(pid)
