@@ -16,17 +16,26 @@ from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView, JobView
 
 from ..conftest import DaemonProc, assert_gone, running_daemon
+from .test_pool import REFILL_TIMEOUT, ready
 
 pytestmark = pytest.mark.anyio
 
 STEP_SLEEP = 0.01
+POOL = 6
 
 
 @pytest.fixture
 async def pooled(short_tmp: Path) -> AsyncIterator[DaemonProc]:
     """The default path: a daemon with its warm pool (a replacement comes from it when one is ready)."""
-    async with running_daemon(short_tmp, "--pool-size", "4", "--cpu-slots", "8") as d:
+    config = short_tmp / "ddpd.toml"
+    config.write_text(f"pool_per_key = {POOL}\n")  # one key (these jobs' shape) may hold the whole pool
+    async with running_daemon(short_tmp, "--config", str(config), "--pool-size", str(POOL), "--cpu-slots", "8") as d:
         yield d
+
+
+async def pool_holds(d: DaemonProc, n: int) -> None:
+    """Wait until the pool holds `n` ready interpreters (a job's ranks, and spares for replacements)."""
+    await d.wait_log(lambda _: len(ready(d)) >= n, REFILL_TIMEOUT)
 
 
 async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:
@@ -57,6 +66,7 @@ async def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_an_uninter
     assert reference.state == JobState.SUCCEEDED, reference.root_cause
     assert len(checksums(reference)) == 1
 
+    await pool_holds(d, nproc + 1)  # the ranks and a spare: the replacement is pooled
     job_id = await d.client.submit(spec)
     victim, survivors = await kill_rank(d, job_id, 1, after_step=100)
     with anyio.fail_after(120):
@@ -73,10 +83,10 @@ async def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_an_uninter
     data = replaced[0].data
     print("rank.replaced", data)
     assert replaced[0].rank == 1 and data["lost_pid"] == victim and data["generation"] == 1
-    assert 0 < data["ready"] <= data["reformed"] <= data["seconds"]
+    assert 0 < data["ready"] <= data["reformed"] <= data["seconds"] and data["pooled"] is True
     lost = [e for e in events if e.kind == "rank.lost"]
     assert len(lost) == 1 and lost[0].data["signal"] == "SIGKILL"
-    log = Path(job.ranks[1].log or "").read_text()
+    log = await anyio.Path(job.ranks[1].log or "").read_text()
     assert f"ddpd: rank 1 (pid {victim}) was lost" in log
     assert_gone(victim)
 
@@ -104,6 +114,7 @@ async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_unint
                   hot_replace=3)
     reference = await d.run(spec)
     assert reference.state == JobState.SUCCEEDED, reference.root_cause
+    await pool_holds(d, POOL)  # the ranks and a spare for each replacement
     job_id = await d.client.submit(spec)
     pick = random.Random(5)
     killed = []
@@ -111,7 +122,7 @@ async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_unint
         rank = pick.choice([1, 2])  # rank 0 serves the store: its loss restarts (tested above)
         victim, _ = await kill_rank(d, job_id, rank, after_step=80 * (round_ + 1))
         killed.append(victim)
-        await d.wait_event(job_id, lambda e: e.kind == "rank.replaced" and e.data["lost_pid"] == victim)
+        await d.wait_event(job_id, lambda e, pid=victim: e.kind == "rank.replaced" and e.data["lost_pid"] == pid)
     with anyio.fail_after(120):
         job = await d.client.wait(job_id)
     assert job.state == JobState.SUCCEEDED and job.attempt == 1, job.root_cause

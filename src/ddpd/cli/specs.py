@@ -36,7 +36,8 @@ _TIMEOUTS = {
 }
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
-          "max_restarts", "hot_replace", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint", "rdzv_id",
+          "max_restarts", "hot_replace", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint",
+          "rdzv_id",
           "rdzv_backend", "rdzv_keep_alive", "rdzv_last_call", "notify", "notify_url", "preemptible")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 

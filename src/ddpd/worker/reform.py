@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpd.protocol.channel import Assign, PhaseChanged
+from ddpd.protocol.channel import Assign, Heartbeat, PhaseChanged
 
 from .runtime import Runtime
 
@@ -117,4 +117,5 @@ def share_state(model: Any, optimizer: Any, step: int, device: Any) -> int:
 def reformed(runtime: Runtime, generation: int, step: int) -> None:
     """Tell the daemon this rank trains again in `generation` from `step`."""
     runtime.step = step
+    runtime.send(Heartbeat(step=step))  # the step it resumes at, read before the phase
     runtime.send(PhaseChanged(phase="reformed", detail=f"generation {generation} step {step}"))
