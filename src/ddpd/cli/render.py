@@ -172,6 +172,9 @@ def ranks_table(view: JobView, title: str | None = None) -> Table:
     with_gpus = any(rank.gpus for rank in view.ranks)
     if with_gpus:
         table.add_column("gpu")
+    replaced = any(rank.replacements for rank in view.ranks)  # hot replacement: shown once it happened
+    if replaced:
+        table.add_column("replaced", justify="right")
     for rank in view.ranks:
         table.add_row(
             Text(str(rank.rank)),
@@ -184,6 +187,7 @@ def ranks_table(view: JobView, title: str | None = None) -> Table:
             Text("" if rank.heartbeat_age is None else f"{rank.heartbeat_age:.1f}s ago"),
             Text(_exit_text(rank.exit_code, rank.signal)),
             *([Text(rank_gpu_text(rank.gpus))] if with_gpus else []),
+            *([Text(f"{rank.replacements}x" if rank.replacements else "")] if replaced else []),
         )
     return table
 

@@ -102,6 +102,10 @@ def read_daemon(runtime: Runtime, assignments: queue.Queue[Assign]) -> None:
                     runtime.released.set()
                 case Reform(generation=generation):
                     runtime.reforms.put(generation)
+                    if "torch.distributed" in sys.modules:
+                        from .reform import abort_nccl
+
+                        abort_nccl()
     except Exception as exc:  # OSError, or a bug: either way nobody listens to the daemon any more
         why = f"channel error: {exc!r}"
     runtime.channel.daemon_gone(why)

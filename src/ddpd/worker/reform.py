@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import queue
 import re
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -60,6 +61,18 @@ def leave() -> None:
     """Destroy this rank's broken group (its connections close, so ranks blocked on it fail too)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_nccl() -> None:
+    """On the daemon's Reform (from the reader thread): NCCL does not notice a dead peer, so a survivor
+    blocked in a collective is freed by aborting its communicator (gloo's transport fails by itself)."""
+    try:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+    except Exception as exc:  # an older torch, or a group already gone: the main thread's wait bounds it
+        print(f"ddpd: could not abort the NCCL communicator: {exc!r}", file=sys.stderr, flush=True)
 
 
 def wait_reform(runtime: Runtime, generation: int, why: str) -> int:

@@ -35,6 +35,7 @@ from ...protocol import FrameError, RankState
 from ...protocol.channel import Hello, Release, Stop
 from ...protocol.control import RootCause, StacksResult
 from ...protocol.limits import clip_text
+from ...protocol.spec import hot_replacements
 from ...protocol.worker import attempt_marker, marker_entry
 from ..config import Config, JobTimeouts
 from ..contain import procs
@@ -360,7 +361,8 @@ class Attempt:
             config=self.config, job=job, number=self.number, marker=self.marker, rdzv=rdzv, identity=self.identity,
             run_as=self.run_as(), attempt_dir=self.dir, job_dir=self.job_dir, checkpoint_dir=self.checkpoint_dir,
             join_timeout=self.limits.join, clock=self.clock, cgroup=self.gang.cgroup, layout=self.layout,
-            defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus))), self.pool)
+            defaults=rank_defaults(self.timeouts, self.dir, gpus=bool(job.gpus),
+                                   hot_replace=hot_replacements(job.spec) > 0)), self.pool)
 
     async def _rank_tasks(self, h: RankHandle) -> None:
         """The rank's reader and exit watcher, bound to its job, attempt and rank in the logs."""

@@ -57,8 +57,15 @@ def nccl_env(attempt_dir: str | os.PathLike[str]) -> dict[str, str]:
     }
 
 
-def rank_defaults(timeouts: JobTimeouts, attempt_dir: str | os.PathLike[str], *, gpus: bool) -> dict[str, str]:
+def rank_defaults(timeouts: JobTimeouts, attempt_dir: str | os.PathLike[str], *, gpus: bool,
+                  hot_replace: bool = False) -> dict[str, str]:
     """What every rank of an attempt starts with before the job's own ``env``: the collective
     timeout (``DDPD_COLLECTIVE_TIMEOUT``, `collective_timeout`: CPU jobs too, the built-in loop and
-    script mode's wrapped ``init_process_group`` pass it), and on GPUs the flight recorder (`nccl_env`)."""
-    return {COLLECTIVE_TIMEOUT_ENV: f"{collective_timeout(timeouts):g}", **(nccl_env(attempt_dir) if gpus else {})}
+    script mode's wrapped ``init_process_group`` pass it), and on GPUs the flight recorder (`nccl_env`).
+    A GPU job that allows hot replacement aborts its communicator itself when a peer is lost
+    (worker.reform), which torch supports with its watchdog's error handling off
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``; the daemon's own hang watch still applies)."""
+    env = {COLLECTIVE_TIMEOUT_ENV: f"{collective_timeout(timeouts):g}", **(nccl_env(attempt_dir) if gpus else {})}
+    if gpus and hot_replace:
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    return env
