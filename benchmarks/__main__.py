@@ -50,6 +50,7 @@ from .context import Ctx, Plan
 from .detect import bench_detect
 from .history import bench_history
 from .hostile import bench_hostile
+from .hot_replace import bench_hot_replace
 from .launch import bench_launch
 from .loop import bench_loop
 from .multinode import bench_multinode
@@ -68,6 +69,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "optimizer_hook": bench_optimizer_hook,
     "hostile": bench_hostile,
     "multinode": bench_multinode,
+    "hot_replace": bench_hot_replace,
 }
 
 
@@ -133,6 +135,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         await run_bench(ctx, "loop")
     if "multinode" in names:
         await run_bench(ctx, "multinode")
+    if "hot_replace" in names:
+        await run_bench(ctx, "hot_replace")
 
 
 async def run_bench(ctx: Ctx, name: str) -> None:

@@ -431,7 +431,9 @@ def _open_log(path: Path) -> BinaryIO:
     return open(path, "ab")  # closed by the caller once the child has it
 
 
-async def start_launcher(kind: str, base: Path, script_args: Sequence[str], nproc: int = 2) -> LauncherRun:
+async def start_launcher(kind: str, base: Path, script_args: Sequence[str], nproc: int = 2,
+                         extra: Sequence[str] = ()) -> LauncherRun:
+    """torchrun (with `extra` flags of its own) or mp.spawn running ddp_script.py with `script_args`."""
     run_dir = Path(tempfile.mkdtemp(prefix=kind.replace(".", "") + "-", dir=base))
     stamps = run_dir / "stamps"
     log_path = run_dir / "launcher.log"
@@ -439,7 +441,7 @@ async def start_launcher(kind: str, base: Path, script_args: Sequence[str], npro
     env = dict(os.environ)
     if kind == TORCHRUN_NAME:
         argv = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                DDP_SCRIPT, "--stamps", str(stamps), *script_args]
+                *extra, DDP_SCRIPT, "--stamps", str(stamps), *script_args]
     elif kind == SPAWN:
         argv = [PYTHON, DDP_SCRIPT, "--spawn", str(nproc), "--stamps", str(stamps), *script_args]
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

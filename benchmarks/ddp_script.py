@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stamps", type=Path, required=True)
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="rank 0 saves model, optimizer and step to --checkpoint every N steps; a restart resumes")
+    p.add_argument("--checkpoint", type=Path, help="the checkpoint file (with --checkpoint-every)")
     return p.parse_args(argv)
 
 
@@ -92,8 +95,15 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    start = 0
+    keep = args.checkpoint_every > 0 and args.checkpoint is not None
+    if keep and args.checkpoint.exists():  # a restart (torchrun --max-restarts): resume where it was saved
+        saved = torch.load(args.checkpoint, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = int(saved["step"])
     t_warm = time.time()
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, args.steps + 1):
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(inp))
         loss.backward()
@@ -102,6 +112,15 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         if step == max(1, args.warmup):
             t_warm = time.time()
             stamp(args, rank, init=t_init, warm=t_warm, warm_step=step)
+        if keep:  # where this rank is, for the restart benchmark: its step, and the first one after a restart
+            if rank == 0 and step % args.checkpoint_every == 0:
+                tmp = args.checkpoint.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+                os.replace(tmp, args.checkpoint)
+            if step == start + 1:
+                t_first = time.time()
+            stamp(args, rank, init=t_init, step=step, resumed_from=start, first_step_at=t_first,
+                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     t_end = time.time()
     stamp(args, rank, init=t_init, warm=t_warm, warm_step=max(1, args.warmup), end=t_end, steps=args.steps)
     dist.destroy_process_group()

@@ -112,6 +112,11 @@ def targets(results: Results) -> list[Target]:
         r = ratio(f"loop.b2b.{label}", DDPD, TORCHRUN_NAME)
         out.append(Target(f"back-to-back steps/s ({label}), pooled, ≥ 0.98 of torchrun's", fmt_ratio(r),
                           check(r, r >= 0.98)))
+    v = med("hot_replace", "ddpd (hot)")
+    out.append(Target("hot replacement: SIGKILL → every rank training again < 1 s", f"{fmt(v, 's')} s",
+                      check(v, v < 1.0)))
+    v = med("hot_replace_lost", "ddpd (hot)")
+    out.append(Target("hot replacement: 0 steps lost", f"{fmt(v, 'steps')}", check(v, v == 0)))
     v = med("scale_start")
     out.append(Target("500 simulated workers: submit → all RUNNING < 5 s", f"{fmt(v, 's')} s", check(v, v < 5)))
     v = med("scale_cpu")

@@ -114,13 +114,14 @@ async def test_a_rank_log_past_its_limit_rotates_keeping_the_newest(short_tmp: P
                                               options={"log_bytes": 4 << 20, "rank": 0, "at_step": 1,
                                                        "step_sleep": 0.1}))
         rotated = await d.wait_event(job_id, lambda e: e.kind == "rank.log_rotated")
-        assert rotated.data["kept"] <= 128 * 1024 and rotated.data["dropped"] > 0
+        # the newest half of the limit, plus what the rank wrote while it was copied, up to another half
+        assert rotated.data["kept"] <= 256 * 1024 and rotated.data["dropped"] > 0
         with anyio.fail_after(120):
             job = await d.client.wait(job_id)
         assert job.state == JobState.SUCCEEDED, job.root_cause
         log = job.ranks[0].log or ""
         backup = os.stat(f"{log}.1")
-        assert stat.S_ISREG(backup.st_mode) and backup.st_size <= 128 * 1024
+        assert stat.S_ISREG(backup.st_mode) and backup.st_size <= 256 * 1024
         assert os.stat(log).st_size < 4 << 20  # the live log did not keep the whole 4 MiB
         chunks = [c async for c in d.client.logs(job_id)]
         assert all(not c.error for c in chunks)

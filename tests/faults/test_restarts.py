@@ -24,7 +24,7 @@ async def test_rank_killed_once_the_job_resumes_and_finishes(daemon: DaemonProc)
     reference = await daemon.run(daemon.spec(task="two-layer", nproc=2, steps=steps))
     assert reference.state == JobState.SUCCEEDED
     spec = daemon.spec(task="tests.tasks:slow", nproc=2, steps=steps, max_restarts=1, checkpoint_every=5,
-                       options={"step_sleep": 0.1})
+                       options={"step_sleep": 0.1}, hot_replace=0)  # the restart path (not a replacement)
     job_id = await daemon.client.submit(spec)
     saved = await daemon.wait_event(job_id, lambda e: e.kind == "job.checkpointed" and e.data["step"] >= 10)
     first = await daemon.client.status(job_id)

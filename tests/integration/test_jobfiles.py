@@ -31,7 +31,8 @@ FLAGS = ["--task", "two-layer", "--nproc", "2", "--oversubscribe", "--name", "ev
          "--device", "cpu", "--gpus-per-rank", "0", "--steps", "3", "--seed", "7", "--join-timeout", "30",
          "--heartbeat-timeout", "20",
          "--progress-timeout", "25", "--wall-time", "600", "--kill-grace", "2", "--stop-warning", "5",
-         "--max-restarts", "1", "--checkpoint-every", "2", "--priority", "1", "--mem", "512M", "--cpus", "1.5",
+         "--max-restarts", "1", "--hot-replace", "0", "--checkpoint-every", "2", "--priority", "1", "--mem", "512M",
+         "--cpus", "1.5",
          "--log-max", "131072", "--nnodes", "1:2", "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-id", "every-key",
          "--rdzv-backend", "c10d", "--rdzv-keep-alive", "5", "--rdzv-last-call", "1", "--env", "A=1", "--env", "B=two",
          "--workdir", str(REPO), "--python", sys.executable, "--export", "PATH,HOME", "--option", "lr=0.5",
@@ -53,6 +54,7 @@ wall-time = 600
 kill-grace = 2
 stop-warning = 5
 max-restarts = 1
+hot-replace = 0
 checkpoint_every = 2
 priority = 1
 mem = "512M"

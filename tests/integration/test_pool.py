@@ -99,7 +99,8 @@ async def test_two_layer_runs_on_pooled_workers_and_the_pool_refills(pool_daemon
 async def test_pooled_rank_killed_is_the_root_cause(pool_daemon: DaemonProc) -> None:
     d = pool_daemon
     before = await pool_full(d)
-    spec = d.spec(task="tests.tasks:slow", nproc=2, steps=10_000, options={"step_sleep": 0.01})
+    spec = d.spec(task="tests.tasks:slow", nproc=2, steps=10_000, options={"step_sleep": 0.01},
+                  hot_replace=0)  # a lost rank fails the attempt (test_hot_replace: replaced in place)
     job_id = await d.client.submit(spec)
     await d.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.data["step"] >= 2)
     view = await d.client.status(job_id)

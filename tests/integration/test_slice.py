@@ -99,7 +99,8 @@ async def test_cancel_during_training(daemon: DaemonProc) -> None:
 
 
 async def test_rank_killed_mid_training_is_the_root_cause(daemon: DaemonProc) -> None:
-    spec = daemon.spec(task="tests.tasks:slow", nproc=2, steps=10_000, options={"step_sleep": 0.01})
+    spec = daemon.spec(task="tests.tasks:slow", nproc=2, steps=10_000, options={"step_sleep": 0.01},
+                       hot_replace=0)  # a lost rank fails the attempt (test_hot_replace: replaced in place)
     job_id = await daemon.client.submit(spec)
     await daemon.wait_event(job_id, lambda e: e.kind == "rank.progress" and e.data["step"] >= 2)
     view = await daemon.client.status(job_id)

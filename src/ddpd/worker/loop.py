@@ -204,6 +204,7 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         step = reform.share_state(model, optimizer, step, device)
         ddp, data, vote = wrap(step)
         reform.reformed(runtime, generation, step)
+        reporter.sent_at = None  # the first step after the re-form is reported at once
 
     reporter.flush()
     if stopped:
