@@ -19,7 +19,7 @@ from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.errors import StorageError
 from ddpd.daemon.store.journal import Journal
 from ddpd.daemon.store.records import Job, Rank
-from ddpd.daemon.store.state import StateDB
+from ddpd.daemon.store.state import SCHEMA_VERSION, StateDB
 from ddpd.protocol import JobSpec, JobState, RankState
 
 pytestmark = pytest.mark.anyio
@@ -140,6 +140,11 @@ def test_migration_drops_the_attempt_columns_nothing_wrote(tmp_path: Path) -> No
                 "store_port INTEGER, token TEXT NOT NULL, started_at REAL NOT NULL, ended_at REAL, root_cause TEXT, "
                 "PRIMARY KEY (job_id, attempt))")
     old.execute("INSERT INTO attempts (job_id, attempt, pgid, token, started_at) VALUES ('j1-abcd', 1, 42, 't', 1.5)")
+    old.execute("CREATE TABLE ranks (job_id TEXT NOT NULL, attempt INTEGER NOT NULL, rank INTEGER NOT NULL, "
+                "state TEXT NOT NULL, pid INTEGER, pgid INTEGER, step INTEGER NOT NULL DEFAULT 0, loss REAL, "
+                "exit_code INTEGER, signal TEXT, checksum REAL, log TEXT, stack_dump INTEGER NOT NULL DEFAULT 0, "
+                "PRIMARY KEY (job_id, attempt, rank))")
+    old.execute("INSERT INTO ranks (job_id, attempt, rank, state) VALUES ('j1-abcd', 1, 0, 'EXITED')")
     old.execute("PRAGMA user_version=2")
     old.commit()
     old.close()
@@ -149,8 +154,10 @@ def test_migration_drops_the_attempt_columns_nothing_wrote(tmp_path: Path) -> No
         assert cols == ["job_id", "attempt", "pgid", "store_port", "token", "started_at", "cgroup"]
         rows = db.run_sync(lambda c: c.execute("SELECT job_id, attempt, pgid, token FROM attempts").fetchall())
         assert [tuple(r) for r in rows] == [("j1-abcd", 1, 42, "t")]
-        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == 4
+        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION == 5
         assert db.run_sync(lambda c: c.execute("SELECT count(*) FROM usage").fetchone()[0]) == 0  # added, empty
+        # hot replacement's count per rank: added, 0 for the ranks already recorded
+        assert db.run_sync(lambda c: c.execute("SELECT replacements FROM ranks").fetchall()[0][0]) == 0
     finally:
         db.close()
     again = StateDB(path)  # a second start finds nothing to do
