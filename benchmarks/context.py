@@ -65,6 +65,6 @@ class Ctx:
                     value = await run()
                 except Exception as exc:
                     self.results.errors.append(f"{name} rep {rep}: {exc}")
-                    self.console.print(f"[red]  {name} rep {rep}: {exc}[/red]")
+                    self.console.print(f"  {name} rep {rep}: {exc}", style="red", markup=False)  # text of a log
                     continue
                 self.say(f"  rep {rep}/{reps} {name:12} {record(name, value)}")

@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="rank 0 saves model, optimizer and step to --checkpoint every N steps; a restart resumes")
     p.add_argument("--checkpoint", type=Path, help="the checkpoint file (with --checkpoint-every)")
+    p.add_argument("--kill-at", type=int, default=0,
+                   help="rank 1 SIGKILLs itself at the start of this step, once (--kill-marker says it did)")
+    p.add_argument("--kill-marker", type=Path, help="written (the time) by rank 1 just before it kills itself")
     return p.parse_args(argv)
 
 
@@ -104,6 +107,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         start = int(saved["step"])
     t_warm = time.time()
     for step in range(start + 1, args.steps + 1):
+        if step == args.kill_at and rank == 1 and args.kill_marker is not None and not args.kill_marker.exists():
+            args.kill_marker.write_text(repr(time.time()))
+            os.kill(os.getpid(), 9)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(inp))
         loss.backward()

@@ -1,27 +1,24 @@
-"""Hot rank replacement: rank 1 SIGKILLed mid-training; how long until every rank trains again, and
-how many steps were lost, for three ways of surviving it (alternating, one job each per repetition):
+"""Hot rank replacement: rank 1 dies (SIGKILL) mid-training; how long until every rank trains again,
+and how many steps were lost, for three ways of surviving it (alternating, one job each per repetition):
 
-  - ``ddpd (hot)``: the mlp task with its default hot replacement, on a daemon with the default warm
-    pool (4: a 2-rank job leaves two spare interpreters). From the SIGKILL until every rank has
-    reported a step after the one the group resumed at (``rank.replaced``, then ``rank.progress``).
+  - ``ddpd (hot)``: the mlp task (width 512) with its default hot replacement, on a daemon with the
+    default warm pool (4: a 2-rank job leaves two spare interpreters). Until every rank has reported
+    a step after the one the group resumed at (``rank.replaced``, then ``rank.progress``).
   - ``ddpd (restart)``: the same job with ``hot_replace=0``, ``max_restarts=1`` and a checkpoint every
     CHECKPOINT_EVERY steps: the attempt fails, the next one resumes from the checkpoint. Until every
-    rank of attempt 2 has reported its first step.
+    rank of attempt 2 has reported a step.
   - ``torchrun``: ``--max-restarts 1`` and benchmarks/ddp_script.py with the same checkpoint every
     CHECKPOINT_EVERY steps: torchrun restarts every worker; until every rank has stamped its first
     step after the restart.
 
-Steps lost: the step rank 0 had reached when rank 1 was killed (as far as it had said: heartbeats
-and progress for ddpd, its per-step stamp for torchrun) minus the step training resumed from. It is
-a lower bound for the restarts (rank 0 may have gone further than it said) and exact for the hot
-path, whose group resumes at the step rank 0 completed (0 lost; the redone step in flight is not
-a lost one).
+Rank 1 kills itself at the start of step KILL_AT, once (benchmarks/killed_task.py; ddp_script.py's
+``--kill-at``), after writing the time: the clock starts there. Its peer cannot have finished step
+KILL_AT (the step's gradients need rank 1), so KILL_AT - 1 steps were done; steps lost are those
+minus the step training resumed from (the step in flight, redone, is not a lost one).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -32,14 +29,15 @@ import anyio
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import EventView
 
-from .common import TORCHRUN_NAME, BenchError, Daemon, start_daemon, start_launcher, stop_daemon
+from .common import REPO, TORCHRUN_NAME, BenchError, Daemon, start_daemon, start_launcher, stop_daemon
 from .context import Ctx
 
 HOT, RESTART = "ddpd (hot)", "ddpd (restart)"
 CHECKPOINT_EVERY = 50
 ENDLESS = 10**7
-KILL_AFTER = 120  # steps rank 1 trains before it is killed (past a checkpoint, between two)
+KILL_AT = 120  # the step rank 1 dies at (past a checkpoint, between two)
 POOL_SIZE = 4  # the daemon's default
+WIDTH = 512
 
 
 def progress_of(rank: int, attempt: int, after: int) -> Callable[[EventView], bool]:
@@ -49,36 +47,51 @@ def progress_of(rank: int, attempt: int, after: int) -> Callable[[EventView], bo
 
 async def pool_ready(d: Daemon, n: int) -> None:
     """The pool holds `n` ready interpreters again (the last repetition's refill is done)."""
-    with anyio.fail_after(300):
+    with anyio.move_on_after(240):
         while True:  # the daemon says nothing when its pool fills: asked five times a second
-            if ((await d.client.daemon_info()).pool_ready or 0) >= n:
+            info = await d.client.daemon_info()
+            if (info.pool_ready or 0) >= n:
                 return
             await anyio.sleep(0.2)
+    raise BenchError(f"the warm pool did not hold {n} interpreters within 240 s: {info.pool_state}")
+
+
+async def killed_at(marker: Path) -> float:
+    """The wall-clock time rank 1 wrote just before it killed itself."""
+    with anyio.fail_after(120):
+        while True:
+            try:
+                return float(await anyio.Path(marker).read_text())
+            except (FileNotFoundError, ValueError):
+                await anyio.sleep(0.01)
+
+
+def scratch(ctx: Ctx, name: str) -> Path:
+    path = Path(ctx.base) / f"{name}-{time.monotonic_ns()}"
+    path.mkdir()
+    return path
 
 
 async def ddpd_run(ctx: Ctx, d: Daemon, hot: bool) -> tuple[float, float]:
-    spec = JobSpec(name="bench-hot-replace", task="mlp", nproc=2, steps=ENDLESS, options={"width": 512},
+    marker = scratch(ctx, "hot" if hot else "restart") / "killed"
+    spec = JobSpec(name="bench-hot-replace", task="benchmarks.killed_task:make", workdir=str(REPO), nproc=2,
+                   steps=ENDLESS, options={"width": WIDTH, "kill_at": KILL_AT, "marker": str(marker)},
                    checkpoint_every=CHECKPOINT_EVERY, **({} if hot else {"hot_replace": 0, "max_restarts": 1}))
     await pool_ready(d, POOL_SIZE)
     job_id = await d.client.submit(spec)
     try:
-        for r in (0, 1):
-            await d.events.wait(job_id, progress_of(r, 1, KILL_AFTER), timeout=120)
-        view = await d.client.status(job_id)
-        pid = view.ranks[1].pid
-        if pid is None:
-            raise BenchError(f"status of {job_id} lacks rank 1's pid")
-        at_kill = max(r.step for r in view.ranks)
-        t_kill = time.perf_counter()
-        os.kill(pid, signal.SIGKILL)
+        t_kill = await killed_at(marker)
         if hot:
             _, replaced = await d.events.wait(job_id, lambda e: e.kind == "rank.replaced", timeout=60)
             resumed, attempt = int(replaced.data["step"]), 1
+            if not replaced.data.get("pooled"):
+                ctx.say("  (the replacement started cold: the pool held no spare)")
         else:
             _, first = await d.events.wait(job_id, progress_of(0, 2, 0), timeout=120)
             resumed, attempt = int(first.data["step"]) - 1, 2
-        done = [(await d.events.wait(job_id, progress_of(r, attempt, resumed), timeout=120))[0] for r in (0, 1)]
-        return max(done) - t_kill, float(max(0, at_kill - resumed))
+        arrived = [(await d.events.wait(job_id, progress_of(r, attempt, resumed), timeout=120))[1] for r in (0, 1)]
+        again = max(e.ts for e in arrived)  # the daemon's wall clock as it recorded the events
+        return again - t_kill, float(KILL_AT - 1 - resumed)
     finally:
         await d.client.cancel(job_id, force=True)
         with anyio.fail_after(60):
@@ -86,23 +99,14 @@ async def ddpd_run(ctx: Ctx, d: Daemon, hot: bool) -> tuple[float, float]:
 
 
 async def torchrun_run(ctx: Ctx) -> tuple[float, float]:
-    run_dir = Path(ctx.base) / f"torchrun-ckpt-{time.monotonic_ns()}"
-    run_dir.mkdir()
+    run_dir = scratch(ctx, "torchrun-ckpt")
+    marker = run_dir / "killed"
     run = await start_launcher(TORCHRUN_NAME, ctx.base, [
-        "--task", "mlp", "--width", "512", "--steps", str(ENDLESS), "--checkpoint-every", str(CHECKPOINT_EVERY),
-        "--checkpoint", str(run_dir / "ckpt.pt")], extra=["--max-restarts", "1"])
+        "--task", "mlp", "--width", str(WIDTH), "--steps", str(ENDLESS), "--checkpoint-every", str(CHECKPOINT_EVERY),
+        "--checkpoint", str(run_dir / "ckpt.pt"), "--kill-at", str(KILL_AT), "--kill-marker", str(marker)],
+        extra=["--max-restarts", "1"])
     try:
-        with anyio.fail_after(120):
-            while True:
-                stamps = run.read_stamps()
-                if len(stamps) == 2 and all(int(s.get("step", 0)) >= KILL_AFTER for s in stamps.values()):
-                    break
-                if run.proc.returncode is not None:
-                    raise BenchError(f"torchrun exited with {run.proc.returncode}:\n{run.log_tail()}")
-                await anyio.sleep(0.01)
-        at_kill = max(int(s["step"]) for s in stamps.values())
-        t_kill = time.time()  # the ranks stamp wall-clock times
-        os.kill(int(stamps[1]["pid"]), signal.SIGKILL)
+        t_kill = await killed_at(marker)
         with anyio.fail_after(120):
             while True:  # every rank of the restarted workers has taken a step
                 stamps = run.read_stamps()
@@ -110,24 +114,30 @@ async def torchrun_run(ctx: Ctx) -> tuple[float, float]:
                 if len(again) == 2:
                     break
                 if run.proc.returncode is not None:
-                    raise BenchError(f"torchrun exited with {run.proc.returncode}:\n{run.log_tail()}")
+                    raise BenchError(f"torchrun exited with {run.proc.returncode}:\n{run.log_tail(150)}")
                 await anyio.sleep(0.01)
         resumed = int(again[0]["resumed_from"])
-        trained_again = max(float(s["first_step_at"]) for s in again)
-        return trained_again - t_kill, float(max(0, at_kill - resumed))
+        return max(float(s["first_step_at"]) for s in again) - t_kill, float(KILL_AT - 1 - resumed)
     finally:
         run.kill()
 
 
 async def bench_hot_replace(ctx: Ctx) -> None:
-    ctx.console.print(f"[bold]hot rank replacement[/bold] (rank 1 of 2 SIGKILLed after {KILL_AFTER} steps of mlp "
-                      f"width 512; restarts resume from a checkpoint every {CHECKPOINT_EVERY} steps)")
+    ctx.console.print(f"[bold]hot rank replacement[/bold] (rank 1 of 2 SIGKILLed at step {KILL_AT} of mlp width "
+                      f"{WIDTH}; restarts resume from a checkpoint every {CHECKPOINT_EVERY} steps)")
     back = ctx.results.metric("hot_replace", "hot replacement", "SIGKILL → every rank training again", "s")
     lost = ctx.results.metric("hot_replace_lost", "hot replacement", "steps lost", "steps")
     d = await start_daemon(ctx.base, "ddpd-hot", config={"pool_size": POOL_SIZE})
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(d.follow_events)
+            # the pool keeps interpreters for a shape once a job of it has run: one short job first
+            first = await d.client.submit(JobSpec(name="bench-warmup", task="mlp", nproc=2, steps=5,
+                                                  options={"width": WIDTH}))
+            with anyio.fail_after(300):
+                warm = await d.client.wait(first)
+            if warm.state != "SUCCEEDED":
+                raise BenchError(f"the warm-up job ended {warm.state}:\n{d.log_tail()}")
             runners: list[tuple[str, Callable[[], Awaitable[tuple[float, float]]]]] = [
                 (HOT, partial(ddpd_run, ctx, d, True)),
                 (RESTART, partial(ddpd_run, ctx, d, False)),

@@ -147,7 +147,7 @@ def print_report(console: Console, results: Results) -> list[Target]:
     if results.errors:
         console.print("[red]errors:[/red]")
         for err in results.errors:
-            console.print(f"  [red]{err}[/red]")
+            console.print(f"  {err}", style="red", markup=False)  # may quote a log: no markup
     return items
 
 
