@@ -86,6 +86,8 @@ async def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_an_uninter
     assert 0 < data["ready"] <= data["reformed"] <= data["seconds"] and data["pooled"] is True
     lost = [e for e in events if e.kind == "rank.lost"]
     assert len(lost) == 1 and lost[0].data["signal"] == "SIGKILL"
+    exited = [e for e in events if e.kind == "rank.exited" and e.data.get("signal") == "SIGKILL"]
+    assert [e.data.get("hot_replace") for e in exited] == ["replacing"], exited
     log = await anyio.Path(job.ranks[1].log or "").read_text()
     assert f"ddpd: rank 1 (pid {victim}) was lost" in log
     assert_gone(victim)
@@ -103,8 +105,11 @@ async def test_rank_0_and_jobs_that_allow_none_restart_as_before(pooled: DaemonP
             job = await d.client.wait(job_id)
         assert job.state == JobState.FAILED
         assert job.root_cause is not None and job.root_cause.rank == rank and job.root_cause.signal == "SIGKILL"
-        kinds = [e.kind for e in await events_of(d, job_id)]
+        events = await events_of(d, job_id)
+        kinds = [e.kind for e in events]
         assert "rank.replaced" not in kinds and "rank.lost" not in kinds
+        why = [e.data.get("hot_replace") for e in events if e.kind == "rank.exited" and e.rank == rank]
+        assert why == (["rank 0 serves the attempt's store"] if rank == 0 else [None]), why
 
 
 async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_uninterrupted_run(

@@ -267,3 +267,42 @@ async def test_a_failed_node_and_a_cut_link_reach_the_other_node(short_tmp: Path
         assert "daemon of node" in (vb.root_cause.detail or ""), vb.root_cause
         assert [n.state for n in va.nodes if not n.local] == ["lost"]
         assert_nothing_left([va, vb])
+
+
+async def test_a_rank_lost_on_one_node_is_replaced_there_and_both_nodes_train_on(short_tmp: Path) -> None:
+    """--hot-replace across nodes: rank 3 (node b) is SIGKILLed mid-training; node b's daemon replaces it
+    in place, node a's ranks (which their own daemon told nothing) read the replacement's generation
+    from the job's store and re-form with it; both nodes end in their first attempt with the
+    parameters of an uninterrupted run, node a's ranks and node b's survivor never restarted."""
+    async with two_daemons(short_tmp, "--pool-size", "3") as (nodes, a, b):
+        await pool_full(a)
+        await pool_full(b)
+        spec: dict[str, Any] = {"task": "tests.tasks:slow", "steps": 300, "seed": 3, "hot_replace": 1,
+                                "options": {"step_sleep": 0.01}}
+        port = next(PORTS)
+        ra = await a.client.submit(multinode(a, nodes, "hot-reference", port, **spec))
+        rb = await b.client.submit(multinode(b, nodes, "hot-reference", port, **spec))
+        reference = await wait_both(a, ra, b, rb)
+        assert [v.state for v in reference] == ["SUCCEEDED", "SUCCEEDED"], [v.root_cause for v in reference]
+        expected = {r.checksum for v in reference for r in v.ranks}
+        assert len(expected) == 1
+
+        port = next(PORTS)
+        ja = await a.client.submit(multinode(a, nodes, "hot", port, **spec))
+        jb = await b.client.submit(multinode(b, nodes, "hot", port, **spec))
+        await b.wait_event(jb, lambda e: e.kind == "rank.progress" and e.data["step"] >= 60)
+        before_a = {r.rank: r.pid for r in (await a.client.status(ja)).ranks}
+        view_b = await b.client.status(jb)
+        victim = next(r for r in view_b.ranks if r.rank == 3)
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        va, vb = await wait_both(a, ja, b, jb)
+        assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
+        assert (va.attempt, vb.attempt) == (1, 1)
+        assert {r.checksum for r in va.ranks + vb.ranks} == expected
+        assert {r.rank: r.pid for r in va.ranks} == before_a
+        assert [r.pid for r in vb.ranks if r.rank == 2] == [r.pid for r in view_b.ranks if r.rank == 2]
+        kinds_b = [e.kind for e in await events_of(b, jb)]
+        assert kinds_b.count("rank.replaced") == 1
+        assert "rank.replaced" not in [e.kind for e in await events_of(a, ja)]
+        assert_nothing_left([*reference, va, vb])

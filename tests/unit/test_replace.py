@@ -54,11 +54,11 @@ def test_a_task_job_allows_three_replacements_by_default_and_scripts_none() -> N
     assert hot_replacements(check_spec(JobSpec(task="two-layer"))) == DEFAULT_HOT_REPLACE == 3
     assert hot_replacements(JobSpec(task="two-layer", hot_replace=0)) == 0
     assert hot_replacements(JobSpec(script=["train.py"])) == 0
-    assert hot_replacements(JobSpec(task="two-layer", nnodes="2", rdzv_endpoint="h:1")) == 0
+    assert hot_replacements(JobSpec(task="two-layer", nnodes="2", rdzv_endpoint="h:1")) == 0  # across nodes: asked
+    multi = check_spec(JobSpec(task="two-layer", hot_replace=2, nnodes="2", rdzv_endpoint="h:1", rdzv_id="r"))
+    assert hot_replacements(multi) == 2
     with pytest.raises(SpecError, match="hot_replace: applies to built-in tasks"):
         check_spec(JobSpec(script=["train.py"], hot_replace=1))
-    with pytest.raises(SpecError, match="hot_replace: applies to one-node jobs"):
-        check_spec(JobSpec(task="two-layer", hot_replace=2, nnodes="2", rdzv_endpoint="h:1", rdzv_id="r"))
 
 
 def test_a_rank_lost_while_training_is_replaced_within_the_jobs_budget(handles: list[RankHandle]) -> None:
@@ -119,10 +119,19 @@ def test_every_rank_re_formed_ends_the_wait_and_only_the_replacement_makes_it_re
     assert not r.ready.is_set()
     reps.connected(r1, now=10.25)
     assert r.ready.is_set() and r.ready_at == 10.25
-    reps.on_reformed(r0, now=10.4, nproc=2)
+    reps.on_reformed(r0, now=10.4, nproc=2, generation=1)
     assert not r.done.is_set()
-    reps.on_reformed(r1, now=10.5, nproc=2)
+    reps.on_reformed(r1, now=10.5, nproc=2, generation=1)
     assert r.done.is_set() and r.joined_at == 10.5
+
+
+def test_a_generation_begun_on_another_node_comes_before_this_nodes_next(handles: list[RankHandle]) -> None:
+    """Across nodes each daemon replaces its own ranks: its ranks' re-forms tell it the generations
+    another node's daemon began, so its next one is after them (the store prefixes never collide)."""
+    reps = Replacements(job_of(task="two-layer", hot_replace=3), store_host_rank=None)
+    reps.on_reformed(handles[0], now=1.0, nproc=2, generation=4)  # nothing under way here: only learnt
+    assert reps.under_way is None and reps.generation == 4
+    assert reps.begin(handles[1], now=2.0).generation == 5
 
 
 def test_status_shows_replacements_once_a_rank_was_replaced() -> None:

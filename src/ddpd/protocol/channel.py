@@ -36,6 +36,7 @@ class Hello(_W, tag="hello"):
 class PhaseChanged(_W, tag="phase"):
     phase: Phase
     detail: str = ""
+    generation: Annotated[int, msgspec.Meta(ge=0, le=10**6)] = 0  # "reformed": the group it re-formed in
 
 
 class Heartbeat(_W, tag="hb"):

@@ -87,8 +87,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     workdir: Annotated[str, msgspec.Meta(max_length=MAX_PATH)] | None = None
     max_restarts: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
     checkpoint_every: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 0
-    # ranks that may die and be replaced in place while the others keep their state (built-in tasks on
-    # one node; None: DEFAULT_HOT_REPLACE there, 0 elsewhere); separate from max_restarts
+    # ranks that may die and be replaced in place while the others keep their state (built-in tasks;
+    # None: DEFAULT_HOT_REPLACE on one node, 0 across nodes); separate from max_restarts
     hot_replace: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     priority: Annotated[int, msgspec.Meta(gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)] = 0
     # may be stopped (gracefully: agreed step, checkpoint) and requeued for a higher-priority job; on a
@@ -188,8 +188,6 @@ def check_spec(spec: JobSpec) -> JobSpec:
     if spec.hot_replace and spec.script is not None:
         raise SpecError("hot_replace", "applies to built-in tasks: an unmodified script cannot hand its model "
                                        "and optimizer to a replacement rank (see docs/hot-replace.md)")
-    if spec.hot_replace and spec.nnodes != "1":
-        raise SpecError("hot_replace", "applies to one-node jobs for now: a multi-node job restarts on a lost rank")
     return spec
 
 
@@ -197,10 +195,13 @@ DEFAULT_HOT_REPLACE = 3  # replacements a built-in task's job allows unless it s
 
 
 def hot_replacements(spec: JobSpec) -> int:
-    """How many ranks of the job may be replaced in place (0: a lost rank restarts the attempt)."""
-    if spec.script is not None or spec.nnodes != "1":
+    """How many ranks of the job may be replaced in place (0: a lost rank restarts the attempt); a
+    multi-node job's only when it asks (each node's daemon replaces its own ranks)."""
+    if spec.script is not None:
         return 0
-    return DEFAULT_HOT_REPLACE if spec.hot_replace is None else spec.hot_replace
+    if spec.hot_replace is None:
+        return DEFAULT_HOT_REPLACE if spec.nnodes == "1" else 0
+    return spec.hot_replace
 
 
 GPU_SHARE = 1000  # one GPU in the unit fractions are packed in (thousandths)

@@ -124,8 +124,10 @@ def connect(runtime: Runtime, assign: Assign, backend: str) -> None:
     runtime.store = dist.TCPStore(assign.store_host, assign.store_port, assign.world_size,
                                   is_master=False, timeout=timedelta(seconds=assign.join_timeout))
     set_phase(runtime, "store_connected")
-    reform.join(runtime, assign, backend, assign.generation, collective_timeout(assign))  # a replacement: its
-    set_phase(runtime, "joined")  # generation's group
+    if assign.generation > 0:  # a replacement: its generation's group, told to survivors on other nodes too
+        reform.publish(runtime, assign.generation)
+    reform.join(runtime, assign, backend, assign.generation, collective_timeout(assign))
+    set_phase(runtime, "joined")
 
 
 def set_phase(runtime: Runtime, phase: Any) -> None:
@@ -199,7 +201,7 @@ def train(runtime: Runtime, assign: Assign, task: Task, ctx: TaskContext) -> Res
         # a peer was lost: leave the broken group (the exception, and with it the step's frames, is gone)
         ddp = data = vote = None  # type: ignore[assignment]
         reform.leave()
-        generation = reform.wait_reform(runtime, generation, why)
+        generation = reform.wait_reform(runtime, generation, why, assign.world_size != assign.local_world_size)
         reform.join(runtime, assign, backend, generation, collective_timeout(assign))
         step = reform.share_state(model, optimizer, step, device)
         ddp, data, vote = wrap(step)

@@ -32,10 +32,13 @@ from ddpd.protocol.channel import Assign, Heartbeat, PhaseChanged
 from .runtime import Runtime
 
 REFORM_WAIT = 15.0  # seconds a survivor waits for the daemon's Reform (the daemon gives up after 10)
+# across nodes a survivor's own daemon knows nothing of a rank lost on another node: the replacement
+# writes its generation here before it joins, and survivors read it as well as their Reform frames
+GENERATION_KEY = "ddpd/reform/generation"
 SOURCE = 0  # the rank whose state the re-formed group takes (the store's host: never the lost one)
 
 # what a broken group looks like from a survivor (gloo's transport, NCCL, torch's own wrappers)
-_PEER_LOST = re.compile(r"gloo|nccl|connection (closed|reset)|broken pipe|read error|peer", re.IGNORECASE)
+_PEER_LOST = re.compile(r"gloo|nccl|connection (closed|reset)|broken pipe|read error", re.IGNORECASE)
 
 
 class PeerLost(RuntimeError):
@@ -75,9 +78,24 @@ def abort_nccl() -> None:
         print(f"ddpd: could not abort the NCCL communicator: {exc!r}", file=sys.stderr, flush=True)
 
 
-def wait_reform(runtime: Runtime, generation: int, why: str) -> int:
-    """The newest generation the daemon names after `generation`; PeerLost if none comes in time or
-    the daemon asks the rank to stop."""
+def publish(runtime: Runtime, generation: int) -> None:
+    """A replacement says its generation in the attempt's store (for survivors on other nodes)."""
+    runtime.store.set(GENERATION_KEY, str(generation))
+
+
+def published(runtime: Runtime) -> int:
+    """The newest generation a replacement wrote in the store (0: none)."""
+    if not runtime.store.check([GENERATION_KEY]):
+        return 0
+    try:
+        return int(runtime.store.get(GENERATION_KEY))
+    except ValueError:
+        return 0
+
+
+def wait_reform(runtime: Runtime, generation: int, why: str, across_nodes: bool = False) -> int:
+    """The newest generation named after `generation` (by this rank's daemon, or across nodes by a
+    replacement, in the store); PeerLost if none comes in time or the daemon asks the rank to stop."""
     deadline = time.monotonic() + REFORM_WAIT
     newest = generation
     while True:
@@ -86,6 +104,8 @@ def wait_reform(runtime: Runtime, generation: int, why: str) -> int:
                 newest = max(newest, runtime.reforms.get_nowait())
         except queue.Empty:
             pass
+        if across_nodes:
+            newest = max(newest, published(runtime))
         if newest > generation:
             return newest
         left = deadline - time.monotonic()
@@ -131,4 +151,4 @@ def reformed(runtime: Runtime, generation: int, step: int) -> None:
     """Tell the daemon this rank trains again in `generation` from `step`."""
     runtime.step = step
     runtime.send(Heartbeat(step=step))  # the step it resumes at, read before the phase
-    runtime.send(PhaseChanged(phase="reformed", detail=f"generation {generation} step {step}"))
+    runtime.send(PhaseChanged(phase="reformed", detail=f"generation {generation} step {step}", generation=generation))

@@ -393,8 +393,8 @@ class Attempt:
         assert self._tg is not None and r is not None and r.lost is h
         self._tg.start_soon(reform, self, self.replacements, r)
 
-    async def reformed(self, h: RankHandle) -> None:
-        self.replacements.on_reformed(h, self.clock.monotonic(), self.job.spec.nproc)
+    async def reformed(self, h: RankHandle, generation: int) -> None:
+        self.replacements.on_reformed(h, self.clock.monotonic(), self.job.spec.nproc, generation)
 
     def live(self) -> list[RankHandle]:
         return self.gang.live()

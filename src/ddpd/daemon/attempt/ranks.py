@@ -54,7 +54,9 @@ RESULT_WAIT = 1.0  # after the exit: how long the frames it sent just before (it
 # ... and after a clean exit with no result read yet: the reader may be behind on journal writes that
 # retry while the database is locked (each try waits the busy timeout), so wait out the journal's worst case
 CLEAN_EXIT_RESULT_WAIT = 30.0
-NOT_ALLOWED = "the job allows no hot replacement"  # the refusal not worth saying in the exit event
+# refusals of hot replacement (replace.py) not worth saying in the exit event
+NOT_ALLOWED = "the job allows no hot replacement"
+STOPPING = "the daemon was stopping the attempt"
 
 
 class FrameBudget:
@@ -142,7 +144,7 @@ class RankContext(Protocol):
     def exit_outcome(self) -> Outcome | None: ...
     def lost(self, h: RankHandle) -> str | None: ...
     def replace(self, h: RankHandle) -> None: ...
-    async def reformed(self, h: RankHandle) -> None: ...
+    async def reformed(self, h: RankHandle, generation: int) -> None: ...
 
 
 def rank_succeeded(exit_: procs.Exit | None, result: Result | None, script: bool) -> bool:
@@ -226,9 +228,9 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
             rank.last_step_change = now  # DDP is built: the progress clock starts over
             if rank.state is RankState.JOINED:
                 await journal.rank_state(job, rank, RankState.TRAINING)
-        case PhaseChanged(phase="reformed"):  # hot replacement: the rank trains again in a new group
-            rank.last_step_change = now
-            await ctx.reformed(h)
+        case PhaseChanged(phase="reformed", generation=generation):  # hot replacement: it trains again in
+            rank.last_step_change = now  # the group of `generation`
+            await ctx.reformed(h, generation)
         case PhaseChanged(phase="done"):
             h.finished = True  # a silence from now on is a stall at exit (deadlines, rootcause)
         case PhaseChanged():
@@ -305,7 +307,8 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
             cause = RootCause(reason="rank_failed", rank=rank.rank, attempt=ctx.number, exit_code=0,
                               phase=rank.state.value, detail=f"rank {rank.rank} exited 0 without sending its result")
         ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed", cause))
-    told = {} if ok or not_replaced == NOT_ALLOWED else {"hot_replace": not_replaced or "replacing"}
+    quiet = ok or not_replaced in (NOT_ALLOWED, STOPPING)  # why not replaced, where it is news
+    told = {} if quiet else {"hot_replace": not_replaced or "replacing"}
     await ctx.journal.rank_state(ctx.job, rank, RankState.EXITED, "rank.exited",
                                  exit_code=exit_.code, signal=exit_.signal, **told)
     if not ok and not_replaced is None:

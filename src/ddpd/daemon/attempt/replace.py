@@ -31,7 +31,7 @@ from ..run.clock import Clock
 from ..run.outcome import AttemptEnd, Outcome
 from ..store.journal import Journal
 from ..store.records import Job
-from .ranks import NOT_ALLOWED, RankHandle
+from .ranks import NOT_ALLOWED, STOPPING, RankHandle
 
 READY_WAIT = 5.0  # seconds for the replacement to connect (pooled: at once; cold: an interpreter start)
 REFORM_WAIT = 10.0  # seconds for every rank to re-form once the replacement connected
@@ -72,7 +72,7 @@ class Replacements:
         if self.job.hot_replaced >= allowed:
             return f"the job's {allowed} hot replacement(s) are used"
         if concluded or signalled or self.job.cancel_requested:
-            return "the daemon was stopping the attempt"
+            return STOPPING
         if h.rank.rank == self.store_host_rank:
             return f"rank {h.rank.rank} serves the attempt's store"
         if h.finished or h.result is not None:
@@ -101,8 +101,10 @@ class Replacements:
             r.ready_at = now
             r.ready.set()
 
-    def on_reformed(self, h: RankHandle, now: float, nproc: int) -> None:
-        """Rank `h` re-formed (the replacement: took the state; a survivor: joined and took it)."""
+    def on_reformed(self, h: RankHandle, now: float, nproc: int, generation: int) -> None:
+        """Rank `h` re-formed (the replacement: took the state; a survivor: joined and took it) in the
+        group of `generation`: across nodes, one another node's daemon began (the next is after it)."""
+        self.generation = max(self.generation, generation)
         r = self.under_way
         if r is None:
             return

@@ -45,7 +45,8 @@ LOG_TRACEBACK_CHARS = 4000
 _FINAL = "(" + ", ".join(f"'{s.value}'" for s in JobState if s.final) + ")"  # SQL: the final states
 _WARN_EVENTS = frozenset({"rank.heartbeat_missed", "job.teardown", "rank.failed", "job.leftover_killed",
                           "rank.unkillable", "rank.protocol_error", "gpu.xid", "gpu.ecc_error", "gpu.nvml_failing",
-                          "gpu.quarantined", "job.gpu_idle", "job.notify_failed"})
+                          "gpu.quarantined", "job.gpu_idle", "job.notify_failed", "rank.lost",
+                          "rank.replace_failed"})
 
 
 class Journal:
