@@ -28,7 +28,7 @@ from tests.conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
 from tests.faults.helpers import events_of, wait_gone
 
 from .netns import LINK, Node, two_nodes, unavailable
-from .test_pool import pool_full
+from .test_pool import REFILL_TIMEOUT, pool_full, ready
 
 pytestmark = [pytest.mark.anyio, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 
@@ -287,6 +287,7 @@ async def test_a_rank_lost_on_one_node_is_replaced_there_and_both_nodes_train_on
         expected = {r.checksum for v in reference for r in v.ranks}
         assert len(expected) == 1
 
+        await b.wait_log(lambda _: len(ready(b)) >= 3, REFILL_TIMEOUT)  # the ranks, and a spare for the replacement
         port = next(PORTS)
         ja = await a.client.submit(multinode(a, nodes, "hot", port, **spec))
         jb = await b.client.submit(multinode(b, nodes, "hot", port, **spec))
@@ -297,7 +298,8 @@ async def test_a_rank_lost_on_one_node_is_replaced_there_and_both_nodes_train_on
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)
         va, vb = await wait_both(a, ja, b, jb)
-        assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause)
+        said = [(e.kind, e.data) for e in await events_of(b, jb) if e.kind.startswith(("rank.lost", "rank.repl"))]
+        assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause, said)
         assert (va.attempt, vb.attempt) == (1, 1)
         assert {r.checksum for r in va.ranks + vb.ranks} == expected
         assert {r.rank: r.pid for r in va.ranks} == before_a
