@@ -73,6 +73,11 @@ TIMER_GRAIN = 0.25  # seconds: a deadline is met within this (the timer sleeps a
 __all__ = ["Attempt", "Outcome"]
 
 
+def _write_each(fds: tuple[int, int], data: bytes) -> None:
+    for fd in fds:
+        os.write(fd, data)
+
+
 def boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
@@ -300,8 +305,8 @@ class Attempt:
                 if lost is not None:
                     marker = (f"ddpd: rank {r} (pid {lost.proc.pid}) was lost; its replacement (generation "
                               f"{launcher.generations.get(local, 0)}) writes from here\n").encode()
-                    for fd in fds:
-                        os.write(fd, marker)
+                    # the job's own files: written off the event loop, as every rank log is
+                    await anyio.to_thread.run_sync(_write_each, fds, marker)
                     logs = lost.logs
                     lost.logs = None
                 else:
