@@ -77,7 +77,7 @@ class LogKeeper:
         self._lock = anyio.Lock()  # one look at a time: a rank's last look waits for the tick's
         self._waiting: anyio.CancelScope | None = None
         self._last = -math.inf
-        self.looks = 0  # looks taken (a tick's or a rank's last one)
+        self.looks = 0  # looks done (a tick's or a rank's last one), counted once each is over
         self.ranks_looked = 0  # ranks looked at in them: what idle ranks must not grow
         self._budgets: dict[int, EventBudget] = {}  # persisted rotation events per rank (store.eventbudget)
         try:
@@ -168,8 +168,6 @@ class LogKeeper:
         abandoned by a cancel, nor left untold) and bounded (a hung filesystem is: their fds are then
         left to the thread to close)."""
         self._last = time.monotonic()
-        self.looks += 1
-        self.ranks_looked += len(due)
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(ROTATE_TIMEOUT) as waited:
                 done = await anyio.to_thread.run_sync(_tick_each, due, time.time(), limiter=files._limit(),
@@ -180,6 +178,8 @@ class LogKeeper:
                                 seconds=ROTATE_TIMEOUT)
                     w.logs.close()
                 return
+            self.looks += 1
+            self.ranks_looked += len(due)
             for w, results in done:
                 await self._tell(w.rank, results)
 
