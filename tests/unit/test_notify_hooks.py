@@ -4,12 +4,13 @@ hook (its exit status and stderr said, a hang cut off at its bound with its grou
 from __future__ import annotations
 
 import os
+import resource
 import select
 from pathlib import Path
 
 from ddpd.daemon.config import Config
 from ddpd.daemon.contain.identity import Identity
-from ddpd.daemon.queue.notifyhooks import Hook, hooks_of, notice_of, run_hook, variables
+from ddpd.daemon.queue.notifyhooks import PREFIX, Hook, hooks_of, notice_of, run_hook, sweep, variables
 from ddpd.daemon.store.records import Job, Rank
 from ddpd.protocol import JobSpec, JobState, RankState
 from ddpd.protocol.control import RootCause
@@ -64,3 +65,18 @@ def test_a_hooks_failure_is_said_and_a_hang_is_cut_off_with_its_group(tmp_path: 
     assert run_hook(["/bin/sh", "-c", hang], env, me, 0.5, None) == "did not finish within 0.5 s"
     assert exited(int(pid_file.read_text()), within=10)  # what it started in its group went with it
     assert run_hook(["/nonexistent/hook"], env, me, 10, None) == "cannot start it: No such file or directory"
+
+
+def test_the_start_sweep_of_left_hook_cgroups_survives_running_out_of_descriptors(tmp_path: Path) -> None:
+    """Bug: the sweep's listing raised EMFILE into the daemon's root task group, which ended the
+    daemon (a user hoarding connections at its start could stop it)."""
+    (tmp_path / f"{PREFIX}1").mkdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)  # the limit bounds the descriptor's number: the next one would be this
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # none to spare
+    try:
+        sweep(tmp_path)  # logged (notify.sweep_failed); nothing raised
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (tmp_path / f"{PREFIX}1").is_dir()  # left for the next start's sweep

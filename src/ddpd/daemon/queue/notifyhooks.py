@@ -190,10 +190,15 @@ def end_cgroup(cgroup: AttemptCgroup) -> None:
 
 
 def sweep(jobs: Path) -> None:
-    """End the hook cgroups a killed daemon left under `jobs` (blocking)."""
-    for path in jobs.glob(f"{PREFIX}*"):
-        if path.is_dir():
-            end_cgroup(AttemptCgroup(path))
+    """End the hook cgroups a killed daemon left under `jobs` (blocking). A folder that cannot be
+    listed (descriptors exhausted, say) is logged: the daemon goes on, and the next start sweeps again."""
+    try:
+        left = [path for path in jobs.glob(f"{PREFIX}*") if path.is_dir()]
+    except OSError as exc:
+        log.warning("notify.sweep_failed", cgroup=str(jobs), error=str(exc))
+        return
+    for path in left:
+        end_cgroup(AttemptCgroup(path))
 
 
 def picture_argv(python: str, socket: Path, job_id: str, path: Path) -> list[str]:

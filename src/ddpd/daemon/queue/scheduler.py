@@ -198,7 +198,6 @@ class Scheduler:
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         tg.start_soon(self.retention.run, self._prune)
         self._tg = tg
-        await self.health.load()  # before the first placement: a quarantined GPU stays out
         tg.start_soon(self.health.run)
         tg.start_soon(self.health.watch_idle)
         tg.start_soon(self.notifier.run)
@@ -466,6 +465,9 @@ class Scheduler:
         """Load every job; kill what is left of jobs that were running; keep the queue in order."""
         await self.table.load()
         await self.share.load()  # before the first placement and the first `share` request
+        # before the first placement and before the daemon says it is ready (a `daemon` request shows
+        # the quarantine at once): a quarantined GPU stays out
+        await self.health.load()
         for job in list(self.unended.values()):
             new = lifecycle.after_daemon_restart(job.state, attempt=job.attempt, max_restarts=job.spec.max_restarts)
             if new is None:
