@@ -1,0 +1,185 @@
+"""Both gates (the shell gate: dash and setpriv; the Python gate) with real processes, as root, with a
+user created for the test: the child runs exactly the environment, directory, umask, ids (saved
+ones included) and descriptors it was given, whatever the environment's values hold; a failed
+start says why in the gate's words with the same exit status; nothing of the job reaches root's
+shell; and the shell gate is refused where its programs are not root's alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddpd.daemon.contain import gate as gate_mod
+from ddpd.daemon.contain.gate import shell_gate, shell_launch, spawn_gated
+from ddpd.daemon.contain.identity import Identity
+from tests.conftest import assert_gone
+
+from .users import public_dir, two_users
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root"),
+    pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
+]
+
+PROC_TIMEOUT = 30
+SYSTEM_PYTHON = "/usr/bin/python3.11" if os.path.exists("/usr/bin/python3.11") else "/usr/bin/python3"
+REPORT = r"""
+import json, os, sys
+fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+print(json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "fds": fds, "argv": sys.argv[1:],
+                  "stdin": os.readlink("/proc/self/fd/0"), "uid": status["Uid"].split(),
+                  "gid": status["Gid"].split(), "groups": sorted(int(g) for g in status["Groups"].split()),
+                  "umask": status["Umask"].strip()}))
+"""
+ODD = {  # what a shell would read as code, were it not quoted
+    "QUOTES": "it's \"quoted\" `uname` $(touch /tmp/ddpd-gate-pwned) $HOME \\ ;|&<>*?[]{}~#!",
+    "NEWLINES": "line one\nline two\n\nexport PWNED=1\n",
+    "UNICODE": "päivää 日本 \u200b",
+    "EMPTY": "",
+    "PWD": "/somewhere/else",  # dash's own variable: the job's value wins
+    "IFS": " ",
+    "PATH": "/nonexistent",
+    "LD_PRELOAD": "/nonexistent/lib.so",  # the user's own, for its own interpreter: passed on
+    "PYTHONCOERCECLOCALE": "0",  # (else the child's python adds LC_CTYPE to what it was given)
+}
+
+
+@pytest.fixture(scope="module")
+def ann() -> Iterator[Identity]:
+    with two_users("ddpdq") as (a, _):
+        yield a
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    with public_dir("ddpd-gate-", 0o711) as path:
+        yield path
+
+
+def gated(argv: list[str], env: dict[str, str], cwd: str, who: Identity | None, shell: bool,
+          **popen: object) -> tuple[int, str, str, int]:
+    proc = spawn_gated(argv, env, cwd, who, lambda pid: None, shell=shell, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, **popen)
+    out, err = proc.communicate(timeout=PROC_TIMEOUT)
+    assert_gone(proc.pid)
+    return proc.returncode, out.decode(), err.decode(), proc.pid
+
+
+@pytest.fixture(params=[True, False], ids=["shell", "python"])
+def shell(request: pytest.FixtureRequest) -> bool:
+    if request.param and shell_gate() is None:
+        pytest.fail("dash and setpriv (root's) are expected on this machine: the shell gate is the default path")
+    return bool(request.param)
+
+
+def test_the_child_runs_exactly_what_it_was_given(ann: Identity, public_tmp: Path, shell: bool) -> None:
+    real = public_tmp / "work"
+    (real / "sub").mkdir(parents=True)
+    (public_tmp / "link").symlink_to(real / "sub")
+    cwd = str(public_tmp / "link" / "..")  # `..` of a symlink: the kernel's answer (work), not the path's
+    env = {**ODD, **ann.identity_env(), "MINE": "x" * 100_000}  # bigger than a pipe's buffer
+    extra_r, extra_w = os.pipe()
+    try:
+        code, out, err, _ = gated([SYSTEM_PYTHON, "-c", REPORT, "a b", "$HOME", "'"], env, cwd, ann, shell,
+                                  pass_fds=(extra_w,))
+    finally:
+        os.close(extra_r)
+        os.close(extra_w)
+    assert code == 0, err
+    seen = json.loads(out)
+    assert seen["env"] == env
+    assert seen["cwd"] == str(real)
+    assert seen["argv"] == ["a b", "$HOME", "'"]
+    assert len([fd for fd in seen["fds"] if fd not in (0, 1, 2, extra_w)]) == 1  # the listing's own
+    assert seen["stdin"] == "/dev/null"
+    assert seen["uid"] == [str(ann.uid)] * 4 and seen["gid"] == [str(ann.gid)] * 4  # saved ids too
+    assert seen["groups"] == sorted(ann.groups)
+    assert seen["umask"] == "0077"
+    assert not Path("/tmp/ddpd-gate-pwned").exists()
+
+
+def test_the_fds_the_child_holds_are_only_what_it_was_given(ann: Identity, shell: bool) -> None:
+    code, out, err, _ = gated([SYSTEM_PYTHON, "-c", "import os; print(sorted(os.listdir('/proc/self/fd')))"],
+                              {}, "/", ann, shell)
+    assert code == 0, err
+    assert out.strip() == "['0', '1', '2', '3']"  # 3: the listing's own
+
+
+def test_a_failed_start_says_why_with_the_gates_status(ann: Identity, public_tmp: Path, shell: bool) -> None:
+    closed = public_tmp / "closed"
+    closed.mkdir(mode=0o700)
+    a_file = public_tmp / "file"
+    a_file.write_text("")
+    cases = [
+        (SYSTEM_PYTHON, str(public_tmp / "missing"), 2, "No such file or directory"),
+        (SYSTEM_PYTHON, str(closed), 13, "Permission denied"),
+        (SYSTEM_PYTHON, str(a_file), 20, "Not a directory"),
+        (str(public_tmp / "nope"), "/", 2, "No such file or directory"),
+        (str(a_file), "/", 13, "Permission denied"),  # not executable
+    ]
+    for program, cwd, errno, why in cases:
+        code, out, err, _ = gated([program, "-c", "print('ran')"], {}, cwd, ann, shell)
+        assert (code, out) == (127, ""), (program, cwd, err)
+        assert f"ddpd: cannot start {program} in {cwd}: [Errno {errno}] {why}" in err, err
+
+
+def test_a_launch_the_shell_cannot_carry_goes_the_python_way(ann: Identity) -> None:
+    env = {"NOT-A-SHELL-NAME": "1", "OPTIND": "not a number", "PYTHONCOERCECLOCALE": "0"}
+    assert shell_launch([SYSTEM_PYTHON], env, "/") is None
+    code, out, err, _ = gated([SYSTEM_PYTHON, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
+                              env, "/", ann, shell=True)
+    assert code == 0, err
+    assert json.loads(out) == env
+
+
+def test_the_shell_gate_runs_as_the_daemon_without_an_identity(public_tmp: Path) -> None:
+    code, out, err, _ = gated([SYSTEM_PYTHON, "-c", "import os; print(os.getuid(), os.getcwd())"],
+                              {"A": "1"}, str(public_tmp), None, shell=True)
+    assert (code, out.split()) == (0, ["0", str(public_tmp)]), err
+
+
+def test_nothing_runs_when_the_daemon_gives_up_before_the_launch(public_tmp: Path, shell: bool) -> None:
+    marker = public_tmp / "ran"
+
+    def refuse(pid: int) -> None:
+        raise OSError(1, "placement refused")
+
+    with pytest.raises(OSError, match="placement refused"):
+        spawn_gated(["/bin/sh", "-c", f"touch {marker}"], {}, "/", None, refuse, shell=shell)
+    assert not marker.exists()
+
+
+def test_the_shell_gate_is_refused_where_its_programs_are_not_roots_alone(public_tmp: Path) -> None:
+    assert not gate_mod._root_only(str(public_tmp / "dash"))  # missing
+    in_tmp = public_tmp / "dash"
+    in_tmp.write_bytes(b"\x7fELF")
+    in_tmp.chmod(0o755)
+    assert not gate_mod._root_only(str(in_tmp))  # /tmp: anyone may make names there
+    with tempfile.TemporaryDirectory(dir="/run") as base:  # root's 0755 all the way up
+        _refused_unless_roots_alone(Path(base))
+
+
+def _refused_unless_roots_alone(base: Path) -> None:
+    open_dir = base / "bin"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # anyone could swap the program
+    copy = open_dir / "dash"
+    copy.write_bytes(b"\x7fELF")
+    copy.chmod(0o755)
+    assert not gate_mod._root_only(str(copy))
+    open_dir.chmod(0o755)
+    assert gate_mod._root_only(str(copy))
+    copy.chmod(0o775)  # group-writable
+    assert not gate_mod._root_only(str(copy))
+    os.chown(copy, 1, -1)
+    copy.chmod(0o755)
+    assert not gate_mod._root_only(str(copy))  # not root's
+    assert gate_mod._root_only("/usr/bin/env")
