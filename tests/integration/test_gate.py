@@ -124,7 +124,17 @@ def test_a_failed_start_says_why_with_the_gates_status(ann: Identity, public_tmp
         (SYSTEM_PYTHON, str(a_file), 20, "Not a directory"),
         (str(public_tmp / "nope"), "/", 2, "No such file or directory"),
         (str(a_file), "/", 13, "Permission denied"),  # not executable
+        (str(closed / "python"), "/", 13, "Permission denied"),  # a closed directory on the way
+        (SYSTEM_PYTHON, str(closed / "sub"), 13, "Permission denied"),
+        (str(a_file / "python"), "/", 20, "Not a directory"),  # a file on the way
+        (SYSTEM_PYTHON, str(a_file / "sub"), 20, "Not a directory"),
+        (str(public_tmp), "/", 13, "Permission denied"),  # a directory to run
+        (str(public_tmp / "to-closed"), "/", 13, "Permission denied"),  # a link into a closed directory
+        (str(public_tmp / "dangling"), "/", 2, "No such file or directory"),
     ]
+    (public_tmp / "to-closed").symlink_to(closed / "python")
+    (closed / "python").symlink_to(SYSTEM_PYTHON)  # (there, but not for the user)
+    (public_tmp / "dangling").symlink_to("nowhere/python")
     for program, cwd, errno, why in cases:
         code, out, err, _ = gated([program, "-c", "print('ran')"], {}, cwd, ann, shell)
         assert (code, out) == (127, ""), (program, cwd, err)

@@ -141,6 +141,31 @@ def shell_gate() -> ShellGate | None:
     return ShellGate(dash, setpriv) if dash and setpriv else None
 
 
+# Why the user cannot reach path $1 (a `dir` to enter, or a `file` to run), as the Python gate's
+# chdir/execve would say: a closed directory on the way, a missing name, a name on the way that is
+# not a directory; else (all there) not a directory to enter, or not a file it may run. A symbolic
+# link whose target is out of reach is followed (`readlink`, on this failure path only).
+WHY = """ddpd_why() {
+  ddpd_at= ddpd_rest=${1#/} ddpd_hops=0
+  while [ -n "$ddpd_rest" ]; do
+    [ -x "${ddpd_at:-/}" ] || ddpd_fail 13 'Permission denied'
+    ddpd_at=$ddpd_at/${ddpd_rest%%/*}
+    case $ddpd_rest in */*) ddpd_rest=${ddpd_rest#*/} ;; *) ddpd_rest= ;; esac
+    if [ -L "$ddpd_at" ] && ! [ -e "$ddpd_at" ] && [ "$ddpd_hops" -lt 40 ]; then
+      ddpd_hops=$((ddpd_hops + 1))
+      ddpd_to=$(readlink -- "$ddpd_at") || ddpd_fail 13 'Permission denied'
+      case $ddpd_to in /*) ;; *) ddpd_to=${ddpd_at%/*}/$ddpd_to ;; esac
+      ddpd_at= ddpd_rest=${ddpd_to#/}${ddpd_rest:+/$ddpd_rest}
+      continue
+    fi
+    [ -e "$ddpd_at" ] || ddpd_fail 2 'No such file or directory'
+    [ -z "$ddpd_rest" ] || [ -d "$ddpd_at" ] || ddpd_fail 20 'Not a directory'
+  done
+  [ "$2" = file ] || [ -d "$1" ] || ddpd_fail 20 'Not a directory'
+  ddpd_fail 13 'Permission denied'
+}"""
+
+
 def shell_launch(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: int = RANK_UMASK) -> bytes | None:
     """What the user's dash reads and runs (`ShellGate`), or None when the shell cannot carry it (a
     name in the environment that is not a shell name, or one dash checks). `cd -P`: the directory
@@ -156,14 +181,12 @@ def shell_launch(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: i
     lines = [
         f"ddpd_fail() {{ printf 'ddpd: cannot start %s in %s: [Errno %s] %s\\n' {program} {where} \"$1\" \"$2\" >&2;"
         " exit 127; }",
+        WHY,
         f"umask {umask:04o}",
-        f"cd -P -- {where} 2>/dev/null || {{ [ -e {where} ] || ddpd_fail 2 'No such file or directory';"
-        f" [ -d {where} ] || ddpd_fail 20 'Not a directory'; ddpd_fail 13 'Permission denied'; }}",
+        f"cd -P -- {where} 2>/dev/null || ddpd_why {where} dir",
+        f"[ -f {program} ] && [ -x {program} ] || ddpd_why {program} file",
         "unset PWD OLDPWD",  # dash's own; the job's are exported below where it has them
         *(f"export {k}={q(v)}" for k, v in env.items()),
-        f"[ -e {program} ] || ddpd_fail 2 'No such file or directory'",
-        f"[ -f {program} ] && [ -x {program} ] || ddpd_fail 13 'Permission denied'",
-        "unset -f ddpd_fail",
         "exec " + " ".join(q(a) for a in argv) + " </dev/null",  # its stdin was this launch
     ]
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
