@@ -48,7 +48,8 @@ def progressed(rank: int, steps: int) -> Callable[[EventView], bool]:
 
 
 async def detect_ddpd(ctx: Ctx, d: Daemon) -> tuple[float, float]:
-    spec = JobSpec(name="bench-detect", task="mlp", nproc=2, steps=ENDLESS,
+    # no hot replacement (a task's default): the failure itself is measured, as under torchrun
+    spec = JobSpec(name="bench-detect", task="mlp", nproc=2, steps=ENDLESS, hot_replace=0,
                    options={"width": ctx.plan.detect_width})
     job_id = await d.client.submit(spec)
     try:
