@@ -79,7 +79,7 @@ async def test_two_layer_runs_on_pooled_workers_and_the_pool_refills(pool_daemon
     assert all(r.step == 20 for r in job.ranks)
     checksums = [r.checksum for r in job.ranks]
     assert checksums[0] is not None and checksums[0] == checksums[1]
-    assert {r.pgid for r in job.ranks} == {job.ranks[0].pid}
+    assert all(r.pgid == r.pid for r in job.ranks)  # each leads its own group (and session)
     events = await _events(d, job.id)
     assert [e.data.get("pooled") for e in events if e.kind == "rank.spawned"] == [True, True]
     assert [e.data.get("pooled") for e in events if e.kind == "rank.connected"] == [True, True]
@@ -106,9 +106,7 @@ async def test_pooled_rank_killed_is_the_root_cause(pool_daemon: DaemonProc) -> 
     view = await d.client.status(job_id)
     pids = [r.pid for r in view.ranks]
     assert set(pids) == before
-    leader = view.ranks[0].pid
-    assert leader is not None
-    assert all(os.getpgid(pid) == leader for pid in pids if pid is not None), "ranks are not in one group"
+    assert all(p is not None and os.getpgid(p) == os.getsid(p) == p for p in pids), "a rank leads no session"
     victim = view.ranks[1].pid
     assert victim is not None
     os.kill(victim, signal.SIGKILL)
@@ -120,8 +118,8 @@ async def test_pooled_rank_killed_is_the_root_cause(pool_daemon: DaemonProc) -> 
     assert_nothing_left([job])
 
 
-async def test_pooled_and_cold_ranks_mix_in_one_group(pool_daemon: DaemonProc) -> None:
-    """Three ranks, two pool workers: rank 2 starts cold in the group a pooled rank leads."""
+async def test_pooled_and_cold_ranks_mix_in_one_job(pool_daemon: DaemonProc) -> None:
+    """Three ranks, two pool workers: rank 2 starts cold; each leads a session and group of its own."""
     d = pool_daemon
     before = await pool_full(d)
     spec = d.spec(task="tests.tasks:slow", nproc=3, steps=10_000, options={"step_sleep": 0.01})
@@ -131,8 +129,7 @@ async def test_pooled_and_cold_ranks_mix_in_one_group(pool_daemon: DaemonProc) -
     view = await d.client.status(job_id)
     pids = [r.pid for r in view.ranks]
     assert set(pids[:2]) == before and pids[2] not in before
-    leader = pids[0]
-    assert all(p is not None and os.getpgid(p) == leader for p in pids)
+    assert all(p is not None and os.getpgid(p) == os.getsid(p) == p for p in pids)
     await d.client.cancel(job_id)
     with anyio.fail_after(60):
         job = await d.client.wait(job_id)

@@ -52,7 +52,8 @@ async def test_status_shows_ranks_joined_while_training(daemon: DaemonProc) -> N
     view = await daemon.client.status(job_id)
     assert view.state == "RUNNING"
     assert all(r.state in ("JOINED", "TRAINING") for r in view.ranks)
-    assert all(r.pid is not None and r.pgid == view.ranks[0].pid for r in view.ranks)
+    assert all(r.pid is not None and r.pgid == r.pid for r in view.ranks)  # each leads its own group
+    assert all(os.getsid(r.pid) == r.pid for r in view.ranks if r.pid is not None)  # and session
     await daemon.client.cancel(job_id)
     with anyio.fail_after(60):
         final = await daemon.client.wait(job_id)

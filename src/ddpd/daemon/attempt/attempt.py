@@ -314,7 +314,7 @@ class Attempt:
                         live_streams, self.config.state_dir, self.identity, job, self.number,
                         [str(log_path), stderr_log(str(log_path))], list(fds))
                 try:
-                    h = await launcher.start(local, log_path, fds, self.gang.pgid)
+                    h = await launcher.start(local, log_path, fds)
                 except BaseException:
                     if logs is not None:
                         logs.close()
@@ -339,7 +339,7 @@ class Attempt:
         told: dict[str, Any] = {"pooled": True} if h.pooled else {}
         if lost is not None:
             told["replaces"] = lost.proc.pid
-        await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=self.gang.pgid,
+        await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=h.rank.pgid,
                                  log=str(log_path), **told)
         tg.start_soon(self._rank_tasks, h)
         return h
@@ -415,16 +415,15 @@ class Attempt:
     async def connected(self, h: RankHandle, hello: Hello) -> None:
         """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.
 
-        A pooled rank leads its own process group: as the attempt's first rank it becomes the
-        attempt's group (Assign.pgid = its pid, a no-op), else it joins the leader's with setpgid on
-        Assign, checked against /proc when it reports store_connected. Until then group signals may
-        miss it, so the gang signals pooled ranks by pid too.
+        Every rank, pooled or cold, leads a session and a process group of its own (Assign.pgid 0:
+        a pooled one stays where the pool started it), checked against /proc when a pooled one
+        reports store_connected.
         """
         await self.journal.rank_state(self.job, h.rank, RankState.CONNECTED, "rank.connected",
                                       worker_pid=hello.pid, protocol=hello.version, torch=hello.torch,
                                       pooled=h.pooled)
         assert self._launcher is not None
-        await hand_over(self._launcher.rdzv, h.channel, self._launcher.assignment(h, self.gang.pgid or 0))
+        await hand_over(self._launcher.rdzv, h.channel, self._launcher.assignment(h))
         self.replacements.connected(h, self.clock.monotonic())
 
     def port_owner(self) -> PortOwner:
@@ -449,11 +448,11 @@ class Attempt:
         await self.handles[0].channel.send(Release())
 
     async def check_pgid(self, h: RankHandle) -> None:
-        """A pooled rank moved itself into the attempt's group: verify it (the daemon cannot, after exec)."""
+        """A pooled rank still leads its own process group (the one the gang signals): verify it."""
         info = await anyio.to_thread.run_sync(procs.proc_info, h.proc.pid)
-        if info is not None and h.proc.returncode is None and info.pgid != self.gang.pgid:
+        if info is not None and h.proc.returncode is None and info.pgid != h.rank.pgid:
             raise FrameError("pgid_mismatch", f"rank {h.rank.rank} (pid {h.proc.pid}) is in process group "
-                                              f"{info.pgid}, not the attempt's {self.gang.pgid}")
+                                              f"{info.pgid}, not its own {h.rank.pgid}")
 
     # -- deadlines -------------------------------------------------------------------------
 

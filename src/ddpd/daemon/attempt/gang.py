@@ -1,4 +1,10 @@
-"""The ranks of one attempt as one gang: signals to its group, stack dumps, and the leftover sweep.
+"""The ranks of one attempt as one gang: signals to their groups, stack dumps, and the leftover sweep.
+
+Each rank leads a session and a process group of its own (as torchrun's workers do: under autogroup
+scheduling a session is one CPU scheduling group, and ranks sharing one trained a small model about
+a fifth slower), so a signal to the gang is one `killpg` per rank whose pid is still ours (not yet
+reaped: its group id cannot have been reused); what a reaped rank left in its group is found by the
+sweep (its group, its marker) and by the cgroup kill.
 
 `RankGang` is the real `teardown.Gang`. Everything a job can touch is read off the event loop:
 rank logs through ``files`` (non-blocking, no symlinks, regular files only, bounded waits) and
@@ -42,7 +48,7 @@ class RankGang:
         self.marker = marker  # DDPD_ATTEMPT=... as in /proc/PID/environ
         self.start_ticks = start_ticks
         self.handles: list[RankHandle] = []
-        self.pgid: int | None = None
+        self.pgid: int | None = None  # the first rank's (the attempt row's, events' and restarts' reference)
         self.signals_sent: set[str] = set()
         self.stack_sites: dict[int, StackSite] = {}  # rank -> where its main thread hung (from its dump)
         self.reason = ""
@@ -53,7 +59,7 @@ class RankGang:
         self.cgroup = cgroup
 
     def add(self, h: RankHandle) -> bool:
-        """A started rank joins the gang; True for the first, whose process group is the attempt's."""
+        """A started rank joins the gang; True for the first, whose process group the attempt names."""
         first = self.pgid is None
         if first:
             self.pgid = h.rank.pgid
@@ -70,16 +76,14 @@ class RankGang:
     def alive(self) -> bool:
         return bool(self.live())
 
+    def pgids(self) -> set[int]:
+        return {h.rank.pgid for h in self.handles if h.rank.pgid is not None}
+
     def signal_now(self, signum: signal.Signals) -> None:
         self.signals_sent.add(signum.name)
-        if self.pgid is not None:
-            procs.kill_group(self.pgid, signum)
-        for h in self.handles:  # a pooled rank may not have joined the group yet
-            if h.pooled and h.proc.returncode is None:  # not reaped: the pid is still ours
-                try:
-                    os.kill(h.proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+        for h in self.handles:
+            if h.proc.returncode is None and h.rank.pgid is not None:  # not reaped: the group is still its
+                procs.kill_group(h.rank.pgid, signum)
 
     async def signal(self, signum: signal.Signals, grace: float) -> None:
         if signum is signal.SIGTERM:
@@ -169,14 +173,14 @@ class RankGang:
         the attempt began can be one (the marker is new with each attempt, and a pid of its group
         reused by an older process is not), so no older process's environment is ever read."""
         found: list[procs.ProcInfo] = []
-        me = os.getpid()
+        me, groups = os.getpid(), self.pgids()
         for pid in procs.all_pids():
             if pid == me or pid in ranks:
                 continue
             info = procs.proc_info(pid)
             if info is None or info.start_time < self.start_ticks:
                 continue
-            if (self.pgid is not None and info.pgid == self.pgid) or procs.proc_environ_has(pid, self.marker):
+            if info.pgid in groups or procs.proc_environ_has(pid, self.marker):
                 found.append(info)
         return found
 

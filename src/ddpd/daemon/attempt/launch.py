@@ -167,13 +167,14 @@ class Launcher:
             return (self.job.spec.python, "-m", "ddpd.worker")
         return self.config.worker_command or (sys.executable, "-m", "ddpd.worker")
 
-    async def start(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
+    async def start(self, rank: int, log_path: Path, log_fds: tuple[int, int]) -> RankHandle:
         """Local rank `rank`, from the pool (already CONNECTED: its Hello is in `handle.hello`) or cold.
 
         `log_fds` become a cold rank's stdout and stderr (the caller closes them); a pooled rank
-        appends to `log_path` and the stderr file beside it itself. `pgid` None: the rank leads the
-        attempt's new process group. A pooled rank's cgroup moves in off the event loop (it may wait
-        up to TAKE_OVER_WAIT for the worker's cgroup to empty).
+        appends to `log_path` and the stderr file beside it itself. Each rank leads a session and a
+        process group of its own (a pooled one since the pool started it). A pooled rank's cgroup
+        moves in off the event loop (it may wait up to TAKE_OVER_WAIT for the worker's cgroup to
+        empty).
         Raises OSError when a cold start (or the cgroup placement of a pooled one) fails.
         """
         taken = None
@@ -181,8 +182,8 @@ class Launcher:
                                                                          or not self.pool.contained):
             taken = self.pool.take(self.shape.key)
         if taken is None:
-            return self._spawn(rank, log_path, log_fds, pgid)
-        handle = self._handle(rank, taken.proc, taken.channel, log_path, pgid or taken.proc.pid, pooled=True)
+            return self._spawn(rank, log_path, log_fds)
+        handle = self._handle(rank, taken.proc, taken.channel, log_path, pooled=True)
         handle.hello = taken.hello
         self.pool_envs[rank] = taken.env
         with anyio.CancelScope(shield=True):  # bounded; the worker is ours now: never dropped half-adopted
@@ -206,27 +207,27 @@ class Launcher:
                 end_cgroup(taken.cgroup)  # whatever stayed behind in it
             raise
 
-    def _spawn(self, rank: int, log_path: Path, log_fds: tuple[int, int], pgid: int | None) -> RankHandle:
+    def _spawn(self, rank: int, log_path: Path, log_fds: tuple[int, int]) -> RankHandle:
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [*self.argv_prefix(), *worker_args(child_end.fileno(), os.getpid())]
         try:
             proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fds[0],
-                               err_fd=log_fds[1], pass_fds=[child_end.fileno()], process_group=pgid or 0,
+                               err_fd=log_fds[1], pass_fds=[child_end.fileno()], process_group=None,
                                identity=self.run_as, place=self.place)
         except OSError:
             parent_end.close()
             raise
         finally:
             child_end.close()
-        return self._handle(rank, proc, WorkerChannel(parent_end), log_path, pgid or proc.pid, pooled=False)
+        return self._handle(rank, proc, WorkerChannel(parent_end), log_path, pooled=False)
 
-    def _handle(self, r: int, proc: subprocess.Popen[bytes], channel: WorkerChannel, log_path: Path, pgid: int,
+    def _handle(self, r: int, proc: subprocess.Popen[bytes], channel: WorkerChannel, log_path: Path,
                 pooled: bool) -> RankHandle:
-        rank = Rank(rank=self.offset + r, attempt=self.number, pid=proc.pid, pgid=pgid, log=str(log_path),
+        rank = Rank(rank=self.offset + r, attempt=self.number, pid=proc.pid, pgid=proc.pid, log=str(log_path),
                     spawned_at=self.clock.monotonic())
         return RankHandle(rank=rank, proc=proc, channel=channel, pooled=pooled)
 
-    def assignment(self, h: RankHandle, pgid: int) -> Assign:
+    def assignment(self, h: RankHandle) -> Assign:
         rank = h.rank
         local = rank.rank - self.offset
         world = self.job.spec.nproc if self.layout is None else self.layout.world_size
@@ -247,7 +248,7 @@ class Launcher:
             store_port=self.rdzv.port, spec=spec, env=env, heartbeat_interval=self.config.heartbeat_interval,
             join_timeout=self.join_timeout,
             checkpoint_dir=str(self.checkpoint_dir),
-            pgid=pgid if h.pooled else 0, log_path=(rank.log or "") if h.pooled else "", unset=unset,
+            pgid=0, log_path=(rank.log or "") if h.pooled else "", unset=unset,  # (pgid 0: it keeps its own group)
             err_path=stderr_log(rank.log or "") if h.pooled and rank.log else "",
             serve_store=self.rdzv.hosted and local == 0,
             hot_replace=self.hot_replace, generation=self.generations.get(local, 0),

@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -81,7 +82,7 @@ def spawn(
     cwd: str,
     log_fd: int,
     pass_fds: Sequence[int],
-    process_group: int,
+    process_group: int | None,
     identity: Identity | None = None,
     place: Callable[[int], None] | None = None,
     err_fd: int | None = None,
@@ -89,7 +90,9 @@ def spawn(
     """Start a fresh interpreter with stdin /dev/null, stdout to `log_fd` and stderr to `err_fd` (None:
     to `log_fd` too); the fds are the caller's to close.
 
-    `process_group` 0 makes the child the leader of a new group; a pgid joins that group. With an
+    `process_group` None makes the child the leader of a session of its own (and of its process
+    group: with autogroup scheduling a session is one CPU scheduling group, so each rank gets its own,
+    as torchrun's workers do); 0 makes it the leader of a new group; a pgid joins that group. With an
     `identity` (a root daemon starting a user's rank) or a `place` (entering the attempt's cgroup),
     the child starts through the gate (`gate.spawn_gated`): placed, then as the user, then the
     working directory entered as that user, then `argv` exec'd; same pid throughout. Without
@@ -97,10 +100,10 @@ def spawn(
     registered (`reaper.spawned`): its owner reaps it, the reaper of inherited children never does.
     """
     err = subprocess.STDOUT if err_fd is None else err_fd
+    group: dict[str, Any] = {"start_new_session": True} if process_group is None else {"process_group": process_group}
     if identity is not None or place is not None:
         return spawned(lambda: spawn_gated(argv, env, cwd, identity, place or _stay, stdin=subprocess.DEVNULL,
-                                           stdout=log_fd, stderr=err, pass_fds=tuple(pass_fds),
-                                           process_group=process_group))
+                                           stdout=log_fd, stderr=err, pass_fds=tuple(pass_fds), **group))
     return spawned(lambda: subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
@@ -109,8 +112,8 @@ def spawn(
         env=dict(env),
         cwd=cwd,
         pass_fds=tuple(pass_fds),
-        process_group=process_group,
         close_fds=True,
+        **group,
     ))
 
 

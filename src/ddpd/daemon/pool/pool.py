@@ -12,8 +12,8 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   forked from the daemon. As a cold rank of that key would be: as the key's user (through the
   gate, umask 0077), with that interpreter and the key's start-up environment (`start_env`), and,
   where the daemon has a cgroup subtree, inside a cgroup of its own (``jobs/pool-<n>``) before
-  any code of the user's interpreter runs. Each pool worker leads its own new process group
-  (``process_group=0``), so an idle one is never hit by an attempt's group signals. Its
+  any code of the user's interpreter runs. Each pool worker leads a new session and process group
+  (as every rank does, and keeps when taken), so an idle one is never hit by an attempt's signals. Its
   stdout/stderr go to ``pool.log`` (the daemon's, or the user's in their tree) until it is
   assigned; then it appends them to its rank log (``Assign.log_path``).
 - **Readiness**: the worker's Hello (its CONNECTED) is read here; then the worker is ready and
@@ -287,7 +287,7 @@ class WarmPool:
         argv = [*shape.argv, *worker_args(child_end.fileno(), os.getpid(), pool=True)]
         try:
             proc = procs.spawn(argv, env=shape.env, cwd=shape.cwd, log_fd=log_fd, pass_fds=[child_end.fileno()],
-                               process_group=0, identity=shape.identity,
+                               process_group=None, identity=shape.identity,
                                place=None if cgroup is None else cgroup.add)
         except OSError as exc:
             parent_end.close()
