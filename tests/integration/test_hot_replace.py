@@ -3,6 +3,7 @@ processes and state, and the job ends as an uninterrupted run of the same seed w
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -57,6 +58,19 @@ def checksums(job: JobView) -> set[float | None]:
     return {r.checksum for r in job.ranks}
 
 
+def same_run(job: JobView, reference: JobView) -> bool:
+    """Every rank holds the same parameters, those of the uninterrupted run: exactly with two ranks;
+    with more, to the last bits of a float32 sum (a re-formed DDP lays its buckets out anew, so an
+    all-reduce over more than two ranks may add in another order); a step lost or done twice
+    moves the checksum by far more than that."""
+    mine, theirs = checksums(job), checksums(reference)
+    if len(mine) != 1 or len(theirs) != 1 or None in mine | theirs:
+        return False
+    a, b = next(iter(mine)), next(iter(theirs))
+    assert a is not None and b is not None
+    return a == b if len(job.ranks) == 2 else math.isclose(a, b, rel_tol=1e-6)
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 async def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_an_uninterrupted_one(
         pooled: DaemonProc, nproc: int) -> None:
@@ -73,7 +87,7 @@ async def test_a_killed_rank_is_replaced_in_place_and_the_run_ends_as_an_uninter
         job = await d.client.wait(job_id)
     assert job.state == JobState.SUCCEEDED, job.root_cause
     assert job.attempt == 1, "the job restarted instead of replacing the rank"
-    assert checksums(job) == checksums(reference), (checksums(job), checksums(reference))
+    assert same_run(job, reference), (checksums(job), checksums(reference))
     assert {r.rank: r.pid for r in job.ranks if r.rank != 1} == survivors, "a survivor was replaced"
     assert job.ranks[1].pid != victim
     assert [r.replacements for r in job.ranks] == [0, 1] + [0] * (nproc - 2)
@@ -131,7 +145,7 @@ async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_unint
     with anyio.fail_after(120):
         job = await d.client.wait(job_id)
     assert job.state == JobState.SUCCEEDED and job.attempt == 1, job.root_cause
-    assert checksums(job) == checksums(reference)
+    assert same_run(job, reference), (checksums(job), checksums(reference))
     assert sum(r.replacements for r in job.ranks) == 3
     for pid in killed:
         assert_gone(pid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -301,7 +302,10 @@ async def test_a_rank_lost_on_one_node_is_replaced_there_and_both_nodes_train_on
         said = [(e.kind, e.data) for e in await events_of(b, jb) if e.kind.startswith(("rank.lost", "rank.repl"))]
         assert (va.state, vb.state) == ("SUCCEEDED", "SUCCEEDED"), (va.root_cause, vb.root_cause, said)
         assert (va.attempt, vb.attempt) == (1, 1)
-        assert {r.checksum for r in va.ranks + vb.ranks} == expected
+        got = {r.checksum for r in va.ranks + vb.ranks}  # all four ranks hold the same parameters, and
+        assert len(got) == 1 and None not in got, got  # those of the uninterrupted run, to the last bits of a
+        assert math.isclose(next(iter(got)) or 0.0, next(iter(expected)) or 0.0, rel_tol=1e-6), (got, expected)
+        # float32 sum over four ranks (a re-formed DDP lays its buckets out anew; test_hot_replace.same_run)
         assert {r.rank: r.pid for r in va.ranks} == before_a
         assert [r.pid for r in vb.ranks if r.rank == 2] == [r.pid for r in view_b.ranks if r.rank == 2]
         kinds_b = [e.kind for e in await events_of(b, jb)]
