@@ -23,6 +23,7 @@ Result; a script rank needs only the clean exit (`rank_succeeded`).
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -152,12 +153,31 @@ def rank_succeeded(exit_: procs.Exit | None, result: Result | None, script: bool
     return exit_ is not None and exit_.ok and (script or result is not None)
 
 
+def heartbeat_applier(rank: Rank, clock: Clock, budget: FrameBudget) -> Callable[[object], bool]:
+    """Apply a Heartbeat frame at once, in the channel's callback (memory only: no task wakes for it);
+    anything else, or a heartbeat over the budget or out of range, is left to `read_frames` (False)."""
+
+    def apply(msg: object) -> bool:
+        if type(msg) is not Heartbeat or not 0 <= msg.step <= MAX_STEP:
+            return False
+        now = clock.monotonic()
+        if not budget.take(now):
+            return False  # read_frames takes it again, and fails the rank for the flood
+        rank.last_frame = now
+        if msg.step != rank.step:
+            rank.step = msg.step
+            rank.last_step_change = now
+        return True
+
+    return apply
+
+
 async def read_frames(h: RankHandle, ctx: RankContext) -> None:
     rank, job, clock = h.rank, ctx.job, ctx.clock
     budget = FrameBudget(ctx.frame_rate, ctx.frame_rate, clock.monotonic())
     journaled = FrameBudget(JOURNALED_RATE, JOURNALED_BURST, clock.monotonic())
     try:
-        async for msg in h.channel.frames():
+        async for msg in h.channel.frames(quick=heartbeat_applier(rank, clock, budget)):
             now = clock.monotonic()
             rank.last_frame = now
             if budget.count % YIELD_EVERY == YIELD_EVERY - 1:

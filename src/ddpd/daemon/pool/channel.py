@@ -1,20 +1,43 @@
 """The daemon's end of a worker channel: non-blocking socket, NDJSON frames, no polling.
 
 Any byte stream a worker sends becomes frames or a FrameError, never another exception.
+
+Reading costs one `recv` per readiness of the socket and nothing else: the socket stays registered
+with the event loop (asyncio's `add_reader`, the loop anyio runs the daemon on) for as long as its
+frames are wanted, and the loop's callback reads, splits and decodes what came into a queue the
+reader drains (a wait per frame would register and unregister the socket each time: two
+`epoll_ctl`, an extra `recv` and an exception per frame, most of the daemon's cost at 500 ranks).
+A reader may also take frames in the callback itself (`frames(quick=...)`): while it is waiting with
+nothing queued, a frame it can apply at once (a heartbeat: memory only) is applied there and
+nothing wakes. The queue is bounded: past QUEUE_LIMIT frames the socket is no longer read until the
+reader catches up, so a flooding worker waits on its own send, as a blocking read would make it.
 """
 
 from __future__ import annotations
 
 import array
+import asyncio
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 
 from ...protocol import Decoder, FrameError, LineSplitter, encode
 from ...protocol.channel import DaemonMessage, WorkerMessage
 
+QUEUE_LIMIT = 256  # frames read but not yet taken: past this the socket is not read
+READ_SIZE = 1 << 16
+
 _decoder: Decoder[WorkerMessage] = Decoder(WorkerMessage)
+
+
+class _End:
+    """The worker closed its end (or the socket failed): no more frames."""
+
+
+_END = _End()
+Quick = Callable[[WorkerMessage], bool]  # True: the frame was applied and is not queued
 
 
 class WorkerChannel:
@@ -23,25 +46,87 @@ class WorkerChannel:
         self.sock = sock
         self._splitter = LineSplitter()
         self.closed = False
+        self._queue: deque[WorkerMessage | FrameError | _End] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the socket is registered, while it is
+        self._ended = False  # the end was read: the socket is never registered again
+        self._waiter: asyncio.Future[None] | None = None  # the reader, waiting for the queue
+        self._quick: Quick | None = None
 
-    async def frames(self) -> AsyncIterator[WorkerMessage]:
-        """Yield decoded frames until EOF; a bad frame raises FrameError."""
-        while not self.closed:
+    async def frames(self, quick: Quick | None = None) -> AsyncIterator[WorkerMessage]:
+        """Yield decoded frames until EOF; a bad frame raises FrameError (in its place in the stream).
+
+        `quick`, while this reader waits with nothing queued, is offered each frame in the event
+        loop's callback; a frame it returns True for was applied there and is not yielded."""
+        loop = asyncio.get_running_loop()
+        self._quick = quick
+        try:
+            while not self.closed:
+                if not self._queue:
+                    self._listen(loop)
+                    self._waiter = loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                    continue
+                item = self._queue.popleft()
+                if isinstance(item, _End):
+                    self._queue.appendleft(item)  # a later reader ends too
+                    return
+                if isinstance(item, FrameError):
+                    raise item
+                yield item
+        finally:
+            if self._quick is quick:  # (a reader left behind unfinished is finalised later: not another's)
+                self._quick = None
+
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None and not self._ended and not self.closed:
+            loop.add_reader(self.sock.fileno(), self._readable)
+            self._loop = loop
+
+    def _unlisten(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.sock.fileno())
+            self._loop = None
+
+    def _readable(self) -> None:
+        """The event loop's callback: read what came, queue its frames (or apply them, `quick`)."""
+        try:
+            data = self.sock.recv(READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._ended = True
+            self._unlisten()
+            self._queue.append(_END)
+        else:
+            error: FrameError | None = None
             try:
-                data = self.sock.recv(1 << 16)
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            for line in self._splitter.feed(data):
+                lines = self._splitter.feed(data)
+            except FrameError as exc:
+                lines, error = [], exc
+            quick = self._quick if self._waiter is not None else None
+            for line in lines:
                 try:
                     message = _decoder.decode_frame(line)
+                except FrameError as exc:
+                    self._queue.append(exc)
+                    continue
                 except RecursionError:  # msgspec's own error for deep nesting is not a DecodeError
-                    raise FrameError("malformed_frame", "frame nested too deeply") from None
-                yield message
+                    self._queue.append(FrameError("malformed_frame", "frame nested too deeply"))
+                    continue
+                if quick is not None and not self._queue and quick(message):
+                    continue
+                self._queue.append(message)
+            if error is not None:
+                self._queue.append(error)
+            if len(self._queue) >= QUEUE_LIMIT:
+                self._unlisten()  # the reader registers the socket again once it has taken them all
+        if self._queue and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def send(self, message: DaemonMessage, fds: Sequence[int] = ()) -> bool:
         """Send one frame (`fds` go with its first byte, SCM_RIGHTS); False when the worker is gone."""
@@ -62,6 +147,9 @@ class WorkerChannel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._unlisten()
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
             self.sock.close()
 
 
