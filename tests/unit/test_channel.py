@@ -133,7 +133,10 @@ async def test_the_queue_is_bounded_and_reading_resumes_once_it_is_taken(
     most_held = 0
     with anyio.fail_after(WAIT):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, theirs.sendall, payload)
+            async def write() -> None:
+                await anyio.to_thread.run_sync(theirs.sendall, payload)
+
+            tg.start_soon(write)
             got = 0
             async for m in channel.frames():
                 assert getattr(m, "step", None) == got
