@@ -8,7 +8,7 @@
 # step counter every heartbeat interval (one step per beat) and a Progress frame every
 # SIMWORKER_PROGRESS_EVERY beats (10). It ends on Stop (Result with stopped_early, exit 0) and at
 # once when its channel closes (the daemon is gone: it has no PR_SET_PDEATHSIG, the closed channel
-# is what ends it). Cold starts only: it cannot join a process group (a warm-pool Assign.pgid).
+# is what ends it). Cold or pooled (tests/integration/test_pool_hold.py runs it in a warm pool).
 #
 # A shell, not Python, so that the benchmark measures the daemon and not interpreters starting (a
 # bash start is a tenth of the smallest Python one's). Its frames and its reading of the Assign are

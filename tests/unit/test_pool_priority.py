@@ -18,11 +18,14 @@ from ddpd.daemon.pool.pool import can_idle, pool_state, set_priority
     ((4, 2, 0, True, True), "warm (2 ready)"),
     ((4, 1, 1, True, True), "warm (1 ready, 1 refilling at idle priority)"),
     ((4, 0, 2, True, True), "cold (busy, 2 refilling at idle priority)"),
+    ((4, 1, 2, True, True, 1), "warm (1 ready, 2 refilling at idle priority (1 held until a core is free))"),
+    ((4, 0, 2, True, False, 2), "cold (busy, 2 refilling (2 held until a core is free))"),
     ((4, 0, 0, True, False), "cold (busy)"),
     ((4, 0, 2, False, True), "cold (refilling)"),
     ((4, 0, 0, False, True), "cold"),
 ])
-def test_pool_state_says_why_it_is_cold(args: tuple[int, int, int, bool, bool], said: str) -> None:
+def test_pool_state_says_why_it_is_cold(args: tuple[int, int, int, bool, bool] | tuple[int, int, int, bool, bool, int],
+                                        said: str) -> None:
     assert pool_state(*args) == said
 
 

@@ -35,8 +35,13 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   under way when a job starts goes to SCHED_IDLE (every thread: the daemon sets it; threads
   started later inherit it) while jobs hold cores, and back to normal priority the moment no job
   runs (each job's start and end wake the pool, which switches them). A pool cgroup with the cpu
-  controller also gets ``cpu.idle`` 1 while jobs run. `take` gives every thread normal priority
-  back before the attempt assigns it. `state` says which (``ddpctl daemon``).
+  controller also gets ``cpu.idle`` 1 while jobs run. Where pool workers have cgroups, a refill
+  under way beyond the cores the running jobs' ranks leave free is held: its cgroup frozen
+  (``cgroup.freeze``) until a core is free again (a job ends), so a job that starts while the
+  pool refills behind the one before it shares no core with an ``import torch`` (measured: a
+  refill at SCHED_IDLE still cost back-to-back jobs several percent of their steps/s). `take` gives
+  every thread normal priority back before the attempt assigns it. `state` says which (``ddpctl
+  daemon``).
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
 """
@@ -90,6 +95,7 @@ class PoolWorker:
     hello: Hello | None = None
     taken: bool = False
     retired: bool = False  # ended by the plan (not a death to report)
+    held: bool = False  # its cgroup frozen: a refill waiting for a core no job's rank holds
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
     @property
@@ -136,7 +142,8 @@ class WarmPool:
     def state(self) -> str:
         """The pool in words, for ``ddpctl daemon``: warm, refilling, or cold and why."""
         ready = sum(len(q) for q in self._ready.values())
-        return pool_state(self.size, ready, len(self._starting), self.busy_ranks() > 0, self.idle_priority)
+        return pool_state(self.size, ready, len(self._starting), self.busy_ranks() > 0, self.idle_priority,
+                          held=sum(w.held for w in self._starting))
 
     # -- for attempts ----------------------------------------------------------------------
 
@@ -214,14 +221,21 @@ class WarmPool:
         return max(0.01, min(times, default=now + 86400.0) - now)
 
     def _yield_to_jobs(self) -> None:
-        """Refills at idle priority while jobs hold cores, at normal priority while none does."""
-        if not self.idle_priority:
-            return
-        busy = self.busy_ranks() > 0
-        for w in self._starting:
-            set_priority(w.pid, idle=busy)
-            if w.cgroup is not None:
-                idle_cgroup(w.cgroup, busy)
+        """Refills at idle priority while jobs hold cores, at normal priority while none does; held
+        (their cgroups frozen) beyond the cores the running jobs' ranks leave free, the oldest
+        refills keeping those."""
+        busy = self.busy_ranks()
+        free = max(0, self._cores - busy)
+        for i, w in enumerate(sorted(self._starting, key=lambda w: w.spawned_at)):
+            if self.idle_priority:
+                set_priority(w.pid, idle=busy > 0)
+                if w.cgroup is not None:
+                    idle_cgroup(w.cgroup, busy > 0)
+            hold = busy > 0 and i >= free
+            if w.cgroup is not None and w.held != hold:
+                w.held = freeze_cgroup(w.cgroup, hold)
+                log.info("pool.refill_held" if w.held else "pool.refill_released", pid=w.pid, busy=busy,
+                         cores=self._cores, cgroup=str(w.cgroup.path))
 
     def _held(self) -> dict[PoolKey, int]:
         held = {k: len(q) for k, q in self._ready.items() if q}
@@ -319,6 +333,8 @@ class WarmPool:
                 except FrameError:
                     hello = None
                 self._starting.discard(w)
+                if w.held and w.cgroup is not None:  # frozen just after its Hello: ready ones never are
+                    w.held = freeze_cgroup(w.cgroup, False)
                 if not isinstance(hello, Hello) or hello.pid != w.pid:
                     self._kill(w)
                     exit_ = await procs.wait_exit(w.proc)
@@ -380,12 +396,16 @@ class WarmPool:
         log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
 
 
-def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool) -> str:
+def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool, held: int = 0) -> str:
     """`WarmPool.state`: ``off``; ``warm (N ready)``; ``cold (busy)`` while running jobs hold the
-    cores (refills wait for them, or run at idle priority in what they leave); ``cold (refilling)``."""
+    cores (refills wait for them, or run at idle priority on cores the jobs leave, and are held
+    beyond those); ``cold (refilling)``."""
     if size == 0:
         return "off"
-    refilling = f", {starting} refilling" + (" at idle priority" if idle_priority and busy else "") if starting else ""
+    refilling = ""
+    if starting:
+        refilling = f", {starting} refilling" + (" at idle priority" if idle_priority and busy else "")
+        refilling += f" ({held} held until a core is free)" if held else ""
     if ready:
         return f"warm ({ready} ready{refilling})"
     if busy:
@@ -425,6 +445,18 @@ def idle_cgroup(cgroup: AttemptCgroup, idle: bool) -> None:
         (cgroup.path / "cpu.idle").write_text("1" if idle else "0")
     except OSError:
         pass
+
+
+def freeze_cgroup(cgroup: AttemptCgroup, frozen: bool) -> bool:
+    """Freeze (or thaw) a pool interpreter's cgroup (``cgroup.freeze``): a frozen refill takes no CPU
+    at all, where even one at SCHED_IDLE slows a job beside it (the caches, the memory bus, a core's
+    other hardware thread). Whether it is frozen now; a fatal signal still ends a frozen process."""
+    try:
+        (cgroup.path / "cgroup.freeze").write_text("1" if frozen else "0")
+    except OSError as exc:
+        log.warning("pool.freeze_failed", cgroup=str(cgroup.path), error=str(exc))
+        return False
+    return frozen
 
 
 def end_cgroup(cgroup: AttemptCgroup) -> None:
