@@ -371,7 +371,7 @@ async def bench_loop(ctx: Any) -> None:
         metric.add(DDPD, row["ddpd"])
         metric.add(TORCHRUN_NAME, row["torchrun"])
     metric.notes.append(summary(result))
-    b2b = await back_to_back(2 if ctx.plan.short else 3)
+    b2b = await back_to_back(3 if ctx.plan.short else 5)
     for label, rows in b2b.items():
         m = ctx.results.metric(f"loop.b2b.{label}", "loop", f"back-to-back steps/s ({label}, 2 ranks, CPU)",
                                "steps/s", higher_is_better=True)
