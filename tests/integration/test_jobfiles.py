@@ -19,6 +19,7 @@ import click
 import pytest
 
 from ddpd.cli.commands import submit
+from ddpd.protocol import JobState
 
 from ..conftest import REPO, DaemonProc, running_daemon
 from ..scripts.helpers import gated
@@ -118,11 +119,14 @@ async def submitted(d: DaemonProc, *args: str) -> str:
 
 
 async def test_job_files_after_resubmit_prefixes_and_completion(short_tmp: Path) -> None:
-    async with running_daemon(short_tmp) as d:
+    async with running_daemon(short_tmp, "--cpu-slots", "8") as d:
         a = await submitted(d, "--steps", "2", "--name", "a")
         assert a.startswith("j1-")
         b = await submitted(d, "--steps", "1", "--name", "b", "--after", "j1")  # `j1`: job number 1
-        c = await submitted(d, "--name", "c", "--after", b)
+        # c waits on a job that trains until cancelled too: still QUEUED when cancelled below however
+        # soon a and b are done
+        gate = await submitted(d, "--nproc", "1", "--steps", str(10**9), "--name", "gate")
+        c = await submitted(d, "--name", "c", "--after", f"{b},{gate}")
         assert (await d.client.status(b)).spec.after == [a]
 
         # the same job as flags and as a job file (every key), both after c, cancelled below: they
@@ -137,10 +141,13 @@ async def test_job_files_after_resubmit_prefixes_and_completion(short_tmp: Path)
         module_by_file = await submitted(d, "-f", str(module_file))
         # flags win over the file: a scalar, and a list option (replaced, not merged)
         overridden = await submitted(d, "-f", str(job_file), "--steps", "9", "--env", "A=flag")
-        done = await ddpctl(d, "cancel", c[:4])  # a prefix with its dash (j3-x)
+        done = await ddpctl(d, "cancel", c[:4])  # a prefix with its dash (j4-x)
         assert done.returncode == 0 and err(done).startswith(f"cancelled {c}"), err(done)
         done = await ddpctl(d, "submit", "--after", c[:4])  # refused now: it could never start
         assert done.returncode == 2 and f"after[0]: job {c} already ended CANCELLED" in err(done), err(done)
+        await d.client.cancel(gate)
+        with anyio.fail_after(TIMEOUT):
+            assert (await d.client.wait(gate)).state == JobState.CANCELLED
 
         done = await ddpctl(d, "wait", by_file)
         assert done.returncode == 1 and f"FAILED: dependency {c} CANCELLED" in err(done), err(done)
