@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddpd.daemon.pool.pool import can_idle, pool_state, set_priority
+from ddpd.daemon.pool.yielding import can_idle, pool_state, set_priority
 
 
 @pytest.mark.parametrize(("args", "said"), [

@@ -153,6 +153,13 @@ def rank_succeeded(exit_: procs.Exit | None, result: Result | None, script: bool
     return exit_ is not None and exit_.ok and (script or result is not None)
 
 
+def _stepped(rank: Rank, step: int, now: float) -> None:
+    """A heartbeat's step counter: a new value restarts the progress clock."""
+    if step != rank.step:
+        rank.step = step
+        rank.last_step_change = now
+
+
 def heartbeat_applier(rank: Rank, clock: Clock, budget: FrameBudget) -> Callable[[object], bool]:
     """Apply a Heartbeat frame at once, in the channel's callback (memory only: no task wakes for it);
     anything else, or a heartbeat over the budget or out of range, is left to `read_frames` (False)."""
@@ -164,9 +171,7 @@ def heartbeat_applier(rank: Rank, clock: Clock, budget: FrameBudget) -> Callable
         if not budget.take(now):
             return False  # read_frames takes it again, and fails the rank for the flood
         rank.last_frame = now
-        if msg.step != rank.step:
-            rank.step = msg.step
-            rank.last_step_change = now
+        _stepped(rank, msg.step, now)
         return True
 
     return apply
@@ -210,9 +215,7 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
     rank, job, journal = h.rank, ctx.job, ctx.journal
     match msg:
         case Heartbeat(step=step):
-            if step != rank.step:
-                rank.step = step
-                rank.last_step_change = now
+            _stepped(rank, step, now)
         case Progress(step=step, loss=loss):
             rank.step, rank.loss, rank.last_step_change = step, loss, now
             if rank.state is RankState.JOINED:
