@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stamps", type=Path, help="(--bare) directory for rank 0's clock")
+    p.add_argument("--gate", type=Path, help="(--bare) the paired benchmark's FIFO gates (benchmarks/gate.py)")
+    p.add_argument("--segment", type=int, default=500, help="(--bare --gate) steps per gated segment")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--back-to-back", action="store_true", help="the back-to-back comparison (pooled, cold, torchrun)")
     return p.parse_args(argv)
@@ -122,12 +124,23 @@ def bare(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     mse = nn.MSELoss()
     clock = Clock(args.stamps, rank, args.warmup, args.steps, cuda) if args.stamps else None
-    for step in range(1, args.steps + 1):
-        if clock is not None:
-            clock.at_step(step)
+
+    def train() -> None:
         optimizer.zero_grad(set_to_none=True)
         mse(ddp(x), y).backward()
         optimizer.step()
+
+    if args.gate:  # the paired benchmark: warm-up, then segments when the driver says
+        from benchmarks.gate import Gate
+
+        for _ in range(args.warmup):
+            train()
+        Gate(args.gate, rank, args.segment).run(args.steps - args.warmup, train)
+    else:
+        for step in range(1, args.steps + 1):
+            if clock is not None:
+                clock.at_step(step)
+            train()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,330 @@
+"""Paired segments: ddpd's steps per second against torchrun's, with the machine's drift cancelled.
+
+    python -m benchmarks.paired                       # both models, 30 rounds each
+    python -m benchmarks.paired --models tiny --rounds 60
+    python -m benchmarks --only paired                # in the suite (--short: 18 rounds)
+
+Whole runs one after the other (benchmarks/loop.py) compare rates measured seconds apart, and
+on a shared 2-core machine the rate of one torchrun drifts by a third within a single run (the
+tiny model's 500-step stretches: 420 to 860 steps/s): a 2% target drowns in that. Here the three
+sides are started together and take turns: the bare loop (``loop.py --bare``) as an unmodified
+script under a default-config daemon (``pooled``: submitted right after a short job, so its
+warm pool refills behind it, as back to back), under a daemon without a pool (``cold``), and
+under torchrun. Each rank waits at a FIFO gate (benchmarks/gate.py) before every segment of N
+steps; the driver opens one side's gates, waits for rank 0's segment rate, then the next side's.
+A round is one segment per side, the order cycling through all six permutations; ddpd's ratio in
+a round is its segment's rate over torchrun's in the same round, seconds apart at most.
+
+Reported per model: each side's segment rates (median, range), and the median of the per-round
+ratios with its distribution-free 95% interval (order statistics, binomial): the target is a
+median >= 0.98. This is the steady training loop under each launcher, with the daemon
+supervising and a refill held behind the job: the start of a job, and whatever a refill does
+before the job's ranks take the cores, are the back-to-back benchmark's (benchmarks/loop.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from .common import TORCHRUN, BenchError, Daemon, free_port, start_daemon, stop_daemon, why
+
+LOOP = str(Path(__file__).resolve().with_name("loop.py"))
+REPO = Path(LOOP).parent.parent
+# side: (how it runs, the daemon it runs on). "ddpd": the bare loop as a script, submitted right
+# after a short job (its pool refilling behind it); "ddpd (cold)": the same without a pool; "ddpd
+# (task)": the built-in mlp task; "torchrun (again)": a second torchrun, the method's own spread.
+SIDES = {"ddpd": ("script", "pooled"), "ddpd (cold)": ("script", "cold"), "ddpd (task)": ("task", "task"),
+         "torchrun": ("torchrun", ""), "torchrun (again)": ("torchrun", "")}
+REFERENCE = "torchrun"
+# (label, layers, width, batch, warm-up steps, steps per segment): segments of a fifth of a second
+MODELS = {"tiny": ("tiny", 2, 32, 8, 200, 120), "4x1024": ("4x1024", 4, 1024, 64, 10, 6)}
+READY_TIMEOUT = 300.0
+SEGMENT_TIMEOUT = 120.0
+
+
+class Lines:
+    """Lines read from a FIFO the driver holds open read-write (so it never sees end of file)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buffer = fd, b""
+
+    async def next(self) -> str:
+        while b"\n" not in self.buffer:
+            await anyio.wait_readable(self.fd)
+            try:
+                self.buffer += os.read(self.fd, 4096)
+            except BlockingIOError:
+                continue
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode()
+
+
+@dataclass
+class Side:
+    """One launcher's gated job: its FIFOs, what rank 0 said, and how to end it."""
+
+    name: str
+    directory: Path
+    nproc: int
+    go: list[int] = field(default_factory=list)
+    done: Lines | None = None
+    rates: list[float] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None  # torchrun
+    daemon: Daemon | None = None
+    job_id: str = ""
+
+    def make_fifos(self) -> None:
+        self.directory.mkdir(parents=True)
+        for name in [f"go-{r}" for r in range(self.nproc)] + ["done"]:
+            os.mkfifo(self.directory / name, 0o600)
+        self.go = [os.open(self.directory / f"go-{r}", os.O_RDWR | os.O_CLOEXEC) for r in range(self.nproc)]
+        self.done = Lines(os.open(self.directory / "done", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
+
+    async def said(self, timeout: float) -> str:
+        assert self.done is not None
+        with anyio.move_on_after(timeout):
+            return await self.done.next()
+        raise BenchError(f"{self.name}: rank 0 said nothing for {timeout:.0f}s{await self.why()}")
+
+    async def segment(self) -> float:
+        for fd in self.go:
+            os.write(fd, b"g")
+        rate = float(await self.said(SEGMENT_TIMEOUT))
+        self.rates.append(rate)
+        return rate
+
+    async def why(self) -> str:
+        if self.proc is not None and self.proc.poll() is not None:
+            return f" (torchrun exited with {self.proc.returncode})"
+        if self.daemon is not None and self.job_id:
+            view = await self.daemon.client.status(self.job_id)
+            return f" (job {self.job_id} {view.state}: {why(view.root_cause)})"
+        return ""
+
+    def close(self) -> None:
+        for fd in self.go:
+            os.close(fd)  # a rank still gated reads end of file and finishes ungated
+        self.go = []
+        if self.done is not None:
+            os.close(self.done.fd)
+            self.done = None
+
+
+Model = tuple[str, int, int, int, int, int]
+
+
+def bare_argv(model: Model, steps: int, extra: Sequence[str] = ()) -> list[str]:
+    _, layers, width, batch, warmup, _ = model
+    return [LOOP, "--bare", "--layers", str(layers), "--width", str(width), "--batch", str(batch),
+            "--steps", str(steps), "--warmup", str(warmup), *extra]
+
+
+async def submit(d: Daemon, model: Model, steps: int, side: Side | None, kind: str, nproc: int) -> str:
+    """A job of the bare loop as a script (`kind` "script"), or of the gated built-in mlp task."""
+    from ddpd.protocol import JobSpec
+
+    if kind == "task":
+        assert side is not None
+        _, layers, width, batch, warmup, segment = model
+        rounds = (steps - warmup - 1) // segment
+        spec = JobSpec(name="bench-paired", task="benchmarks.gate:gated_mlp", nproc=nproc, steps=steps,
+                       workdir=str(REPO), options={"layers": layers, "width": width, "batch": batch,
+                                                   "gate": str(side.directory), "segment": segment,
+                                                   "warmup": warmup, "rounds": rounds})
+    else:
+        extra = ["--gate", str(side.directory), "--segment", str(model[5])] if side else []
+        spec = JobSpec(name="bench-paired", script=bare_argv(model, steps, extra), nproc=nproc, workdir=str(REPO))
+    return str(await d.client.submit(spec))
+
+
+def start_torchrun(base: Path, model: Model, steps: int, side: Side, nproc: int) -> subprocess.Popen[bytes]:
+    argv = bare_argv(model, steps, ["--gate", str(side.directory), "--segment", str(model[5])])
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    with (side.directory / "torchrun.log").open("wb") as log:
+        return subprocess.Popen([TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                                 "--master-port", str(free_port()), *argv], env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True)
+
+
+async def start_sides(base: Path, model: Model, rounds: int, nproc: int, daemons: dict[str, Daemon]) -> dict[str, Side]:
+    """Every side's gated job, started and at its first gate; ddpd's right after a short job took
+    its pool's ready interpreters (the pool refills while the gated job runs)."""
+    from benchmarks.loop import pool_settled
+
+    warmup, segment = model[4], model[5]
+    steps = warmup + rounds * segment
+    sides = {name: Side(name, base / f"{model[0]}-{name.replace(' ', '-').strip('()')}", nproc) for name in SIDES}
+    for side in sides.values():
+        side.make_fifos()
+    for key in ("pooled", "task"):
+        await pool_settled(daemons[key])
+    short = await submit(daemons["pooled"], model, warmup + 1, None, "script", nproc)
+    view = await daemons["pooled"].client.wait(short)
+    if view.state != "SUCCEEDED":
+        raise BenchError(f"ddpd: the short job {short} ended {view.state}: {why(view.root_cause)}")
+    for name, side in sides.items():
+        kind, daemon = SIDES[name]
+        if kind == "torchrun":
+            side.proc = start_torchrun(base, model, steps, side, nproc)
+        else:
+            side.daemon = daemons[daemon]
+            side.job_id = await submit(side.daemon, model, steps + (kind == "task"), side, kind, nproc)
+    for side in sides.values():
+        if (line := await side.said(READY_TIMEOUT)) != "ready":
+            raise BenchError(f"{side.name}: rank 0 said {line!r}, not ready")
+    return sides
+
+
+async def finish_sides(sides: dict[str, Side]) -> None:
+    """Let every side run out ungated and end; a job that did not succeed is an error."""
+    for side in sides.values():
+        side.close()
+    for side in sides.values():
+        if side.proc is not None:
+            rc = await anyio.to_thread.run_sync(partial(side.proc.wait, timeout=300))
+            if rc != 0:
+                raise BenchError(f"{side.name} exited with {rc}")
+        elif side.daemon is not None and side.job_id:
+            view = await side.daemon.client.wait(side.job_id)
+            if view.state != "SUCCEEDED":
+                raise BenchError(f"{side.name}: job {side.job_id} ended {view.state}: {why(view.root_cause)}")
+
+
+def kill_sides(sides: dict[str, Side]) -> None:
+    for side in sides.values():
+        side.close()
+        if side.proc is not None and side.proc.poll() is None:
+            os.killpg(side.proc.pid, signal.SIGKILL)
+            side.proc.wait()
+
+
+def order(names: Sequence[str], n: int) -> list[str]:
+    """Round `n`'s order: the sides rotated by n, reversed every other cycle (each side takes each
+    place, and follows each other side, equally often over two cycles)."""
+    k = n % len(names)
+    turned = list(names[k:]) + list(names[:k])
+    return turned[::-1] if (n // len(names)) % 2 else turned
+
+
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free interval holding the median with at least 95% confidence: the k-th
+    smallest and k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <= 0.025."""
+    n = len(values)
+    ordered = sorted(values)
+    k, below = 0, 0.0
+    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:  # too few rounds for 95%: the whole range
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
+
+
+def summarise(model: str, sides: dict[str, Side]) -> dict[str, Any]:
+    """Each side's segment rates, and each side's per-round ratios to the reference torchrun's."""
+    out: dict[str, Any] = {"model": model, "rates": {n: s.rates for n, s in sides.items()}, "ratios": {},
+                           "ratio": {}}
+    for name in [n for n in sides if n != REFERENCE]:
+        ratios = [a / b for a, b in zip(sides[name].rates, sides[REFERENCE].rates, strict=True)]
+        low, high = median_interval(ratios)
+        out["ratios"][name] = ratios
+        out["ratio"][name] = {"median": statistics.median(ratios), "low95": low, "high95": high}
+    return out
+
+
+def describe(result: dict[str, Any]) -> str:
+    rates = ", ".join(f"{n} {statistics.median(r):.1f}" for n, r in result["rates"].items())
+    ratios = ", ".join(f"{n} {r['median']:.3f}x [{r['low95']:.3f}-{r['high95']:.3f}]"
+                       for n, r in result["ratio"].items())
+    rounds = len(result["rates"][REFERENCE])
+    return (f"paired, {result['model']}: median segment steps/s {rates}; per round over torchrun's (median, 95% "
+            f"interval, {rounds} rounds; target >= 0.98): {ratios}")
+
+
+async def paired(models: Sequence[str], rounds: int, nproc: int = 2) -> list[dict[str, Any]]:
+    """Per model: every side started, `rounds` rounds of one segment each, the sides run out."""
+    slots = max(nproc, os.cpu_count() or 1)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ddpd-paired-") as tmp:
+        base = Path(tmp)
+        daemons: dict[str, Daemon] = {}
+        try:
+            for key, config in (("pooled", {}), ("cold", {"pool_size": 0}), ("task", {})):
+                daemons[key] = await start_daemon(base, key, config={"cpu_slots": slots, **config})
+            for label in models:
+                sides = await start_sides(base, MODELS[label], rounds, nproc, daemons)
+                try:
+                    for n in range(rounds):
+                        for name in order(list(sides), n):
+                            await sides[name].segment()
+                    await finish_sides(sides)
+                finally:
+                    kill_sides(sides)
+                results.append(summarise(label, sides))
+                print(describe(results[-1]), flush=True)
+        finally:
+            for d in daemons.values():
+                await stop_daemon(d)
+    return results
+
+
+SHORT_ROUNDS, FULL_ROUNDS = 40, 100
+
+
+async def bench_paired(ctx: Any) -> None:
+    """The suite's entry (``BENCHES["paired"]``): per model, each side's segment rates
+    (``paired.<model>``) and its per-round ratios to torchrun's (``paired.<model>.ratio``)."""
+    for result in await paired(list(MODELS), SHORT_ROUNDS if ctx.plan.short else FULL_ROUNDS):
+        label = result["model"]
+        rates = ctx.results.metric(f"paired.{label}", "paired", f"paired segments: steps/s ({label}, 2 ranks, CPU)",
+                                   "steps/s", higher_is_better=True)
+        ratio = ctx.results.metric(f"paired.{label}.ratio", "paired", f"paired: ÷ torchrun's, per round ({label})",
+                                   "x", higher_is_better=True)
+        for side, values in result["rates"].items():
+            for v in values:
+                rates.add(side, v)
+        for side, values in result["ratios"].items():
+            for v in values:
+                ratio.add(side, v)
+        rates.notes.append(describe(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.paired")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--rounds", type=int, default=FULL_ROUNDS)
+    p.add_argument("--segment", type=int, help="steps per segment (default: a fifth of a second's worth per model)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    models = args.models.split(",")
+    if unknown := [m for m in models if m not in MODELS]:
+        p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.segment is not None:
+        if args.segment < 2:
+            p.error("--segment must be at least 2 steps")
+        for m in models:
+            MODELS[m] = (*MODELS[m][:5], args.segment)
+    results = anyio.run(paired, models, args.rounds)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
