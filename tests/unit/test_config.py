@@ -47,6 +47,7 @@ def _load(tmp_path: Path, text: str, **overrides: object) -> Config:
     ('log_level = "loud"', "log_level"),
     ('log_format = "xml"', "log_format"),
     ('stop_signal = "SIGKILL"', "stop_signal"),  # it would end the rank, not warn it
+    ('cpu_rank_policy = "fifo"', "cpu_rank_policy"),
     ("stop_signal = 10", "stop_signal"),
     ("frobnicate = 1", "frobnicate"),
     ("[defaults]\nbogus = 1", "defaults.bogus"),

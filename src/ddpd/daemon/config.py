@@ -99,6 +99,10 @@ class Config:
     preempt_min_run: float = 300.0  # seconds a job runs before it may be preempted (again)
     preempt_scripts: bool = False  # preempt scripts that never call the stop API (ddpd.worker.api.should_stop)
     stop_signal: str = "SIGUSR1"  # raised in a script rank that handles it when it is asked to stop; "none": never
+    # the scheduling policy of a CPU job's ranks (docs/operations.md): "batch" (SCHED_BATCH: their
+    # threads' wake-ups never preempt each other, the ranks' gloo threads no longer interrupt the
+    # training thread hundreds of times a second) or "normal" (SCHED_OTHER); GPU jobs stay normal
+    cpu_rank_policy: str = "batch"
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
     max_connections: int = 256  # control connections open at once
     max_connections_per_user: int = 32  # of them one uid may hold (root and the admin group: a reserve too)
@@ -183,6 +187,7 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     preempt_scripts: bool | msgspec.UnsetType = msgspec.UNSET
     stop_signal: Literal["SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGALRM", "SIGTERM", "none"] | (
         msgspec.UnsetType) = msgspec.UNSET
+    cpu_rank_policy: Literal["batch", "normal"] | msgspec.UnsetType = msgspec.UNSET
     max_connections: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     max_connections_per_user: Annotated[int, msgspec.Meta(ge=1, le=65536)] | msgspec.UnsetType = msgspec.UNSET
     idle_timeout: Timeout | msgspec.UnsetType = msgspec.UNSET

@@ -123,6 +123,8 @@ class Assign(_W, tag="assign"):
     # takes its state from the lowest rank instead of a checkpoint
     hot_replace: bool = False
     generation: Annotated[int, msgspec.Meta(ge=0, le=10**6)] = 0
+    # a CPU job's rank under the daemon's default `cpu_rank_policy`: every thread to SCHED_BATCH
+    sched_batch: bool = False
 
 
 class Stop(_W, tag="stop"):

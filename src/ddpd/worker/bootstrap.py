@@ -213,6 +213,24 @@ def apply_assignment(assign: Assign) -> None:
         import torch
 
         torch.set_num_threads(max(1, int(threads)))
+    if assign.sched_batch:
+        batch_policy()
+
+
+def batch_policy() -> None:
+    """Every thread of this rank to SCHED_BATCH; the threads it starts from now on (gloo's, the
+    script's, its DataLoader workers) inherit it. A woken batch thread waits for the running one's
+    time slice instead of preempting it: gloo's threads wake hundreds of times a second per rank and
+    each wake-up used to interrupt the training thread (docs/operations.md, `cpu_rank_policy`). A
+    policy this rank may not take (a pooled interpreter left at SCHED_IDLE without the right to
+    leave it) is said in the rank log, and the rank runs on as it was."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except OSError as exc:
+            print(f"ddpd: thread {tid} keeps its scheduling policy: {exc}", file=sys.stderr, flush=True)
 
 
 def run(runtime: Runtime, assign: Assign) -> Result:

@@ -252,4 +252,5 @@ class Launcher:
             err_path=stderr_log(rank.log or "") if h.pooled and rank.log else "",
             serve_store=self.rdzv.hosted and local == 0,
             hot_replace=self.hot_replace, generation=self.generations.get(local, 0),
+            sched_batch=self.config.cpu_rank_policy == "batch" and not self.job.gpus,
         )
