@@ -55,6 +55,7 @@ from .launch import bench_launch
 from .loop import bench_loop
 from .multinode import bench_multinode
 from .optimizer_hook import bench_optimizer_hook
+from .paired import bench_paired
 from .report import dump_json, print_report
 from .scale import bench_scale
 from .throughput import bench_throughput, daemon_idle
@@ -65,6 +66,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "throughput": bench_throughput,
     "scale": bench_scale,
     "loop": bench_loop,
+    "paired": bench_paired,
     "history": bench_history,
     "optimizer_hook": bench_optimizer_hook,
     "hostile": bench_hostile,
@@ -133,6 +135,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         await run_bench(ctx, "hostile")
     if "loop" in names:
         await run_bench(ctx, "loop")
+    if "paired" in names:
+        await run_bench(ctx, "paired")
     if "multinode" in names:
         await run_bench(ctx, "multinode")
     if "hot_replace" in names:
