@@ -1,6 +1,7 @@
 """A DDP script over a DataLoader with worker processes, its iterator (and so its workers) left alive
-at exit, and no destroy_process_group. It first checks that every thread of the rank runs at normal
-CPU priority (a warm-pool interpreter waits at SCHED_IDLE until a job takes it): exit 1 otherwise.
+at exit, and no destroy_process_group. It first checks that no thread of the rank is left at idle
+CPU priority (a warm-pool interpreter waits at SCHED_IDLE until a job takes it; a CPU job's ranks
+then run at SCHED_BATCH, torchrun's at SCHED_OTHER): exit 1 otherwise.
 
     torchrun --standalone --nproc_per_node=2 dataloader_workers.py
 """
@@ -13,9 +14,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-idle = [tid for tid in os.listdir("/proc/self/task") if os.sched_getscheduler(int(tid)) != os.SCHED_OTHER]
+idle = [tid for tid in os.listdir("/proc/self/task") if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE]
 if idle:
-    sys.exit(f"threads {idle} of rank {os.environ['RANK']} are not at normal priority")
+    sys.exit(f"threads {idle} of rank {os.environ['RANK']} are at idle priority")
 dist.init_process_group("gloo")
 data = TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
 loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data), num_workers=2, persistent_workers=True)
