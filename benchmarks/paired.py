@@ -1,25 +1,27 @@
 """Paired segments: ddpd's steps per second against torchrun's, with the machine's drift cancelled.
 
-    python -m benchmarks.paired                       # both models, 30 rounds each
+    python -m benchmarks.paired                       # both models, 100 rounds each
     python -m benchmarks.paired --models tiny --rounds 60
-    python -m benchmarks --only paired                # in the suite (--short: 18 rounds)
+    python -m benchmarks --only paired                # in the suite (--short: 40 rounds)
 
 Whole runs one after the other (benchmarks/loop.py) compare rates measured seconds apart, and
 on a shared 2-core machine the rate of one torchrun drifts by a third within a single run (the
-tiny model's 500-step stretches: 420 to 860 steps/s): a 2% target drowns in that. Here the three
-sides are started together and take turns: the bare loop (``loop.py --bare``) as an unmodified
-script under a default-config daemon (``pooled``: submitted right after a short job, so its
-warm pool refills behind it, as back to back), under a daemon without a pool (``cold``), and
-under torchrun. Each rank waits at a FIFO gate (benchmarks/gate.py) before every segment of N
-steps; the driver opens one side's gates, waits for rank 0's segment rate, then the next side's.
-A round is one segment per side, the order cycling through all six permutations; ddpd's ratio in
-a round is its segment's rate over torchrun's in the same round, seconds apart at most.
+tiny model's 500-step stretches: 420 to 860 steps/s): a 2% target drowns in that. Here every
+side is started at once and they take turns (`SIDES`): the bare loop (``loop.py --bare``) as an
+unmodified script under a default-config daemon (``ddpd``: submitted right after a short job, so
+its warm pool refills behind it, as back to back), the same under a daemon without a pool
+(``ddpd (cold)``), ddpd's built-in mlp task (``ddpd (task)``), and the bare loop under torchrun,
+twice (``torchrun (again)`` is the method's own spread). Each rank waits at a FIFO gate
+(benchmarks/gate.py) before every segment of N steps; the driver opens one side's gates, waits
+for rank 0's segment rate, then the next side's. A round is one segment per side, in an order
+that turns from round to round (`order`); a side's ratio in a round is its segment's rate over
+torchrun's in the same round, a second or so apart.
 
-Reported per model: each side's segment rates (median, range), and the median of the per-round
-ratios with its distribution-free 95% interval (order statistics, binomial): the target is a
-median >= 0.98. This is the steady training loop under each launcher, with the daemon
-supervising and a refill held behind the job: the start of a job, and whatever a refill does
-before the job's ranks take the cores, are the back-to-back benchmark's (benchmarks/loop.py).
+Reported per model: each side's segment rates, and the median of its per-round ratios with a
+distribution-free 95% interval (order statistics, binomial): the target is a median >= 0.98.
+This is the steady training loop under each launcher, with the daemon supervising and a refill
+held behind the job: the start of a job, and whatever a refill does before the job's ranks take
+the cores, are the back-to-back benchmark's (benchmarks/loop.py). CPU only.
 """
 
 from __future__ import annotations
