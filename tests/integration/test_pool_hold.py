@@ -20,6 +20,7 @@ import anyio.to_thread
 import pytest
 
 from ddpd.daemon.contain.cgroups import parse_keyed
+from ddpd.daemon.ranklogs.inotify import Inotify
 from ddpd.protocol import PROTOCOL_VERSION, JobState
 
 from ..conftest import DaemonProc, running_daemon
@@ -47,6 +48,23 @@ def events(d: DaemonProc, name: str) -> list[dict[str, Any]]:
 
 def frozen(cgroup: str) -> bool:
     return parse_keyed((Path(cgroup) / "cgroup.events").read_text()).get("frozen") == "1"
+
+
+async def wait_frozen(cgroup: str, want: bool) -> None:
+    """Until the cgroup's `cgroup.events` says `frozen` is `want`: the write to `cgroup.freeze`
+    returns before every task has stopped (a task must run to freeze, and a refill at idle priority
+    beside a busy rank may wait for that). The file's inotify event wakes the wait; bounded."""
+    ino = Inotify()
+    fd = os.open(Path(cgroup) / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        ino.watch(fd)  # before the first look: a change after it is an event
+        with anyio.fail_after(WAIT):
+            while frozen(cgroup) != want:
+                await anyio.wait_readable(ino.fd)
+                ino.read()
+    finally:
+        os.close(fd)
+        ino.close()
 
 
 async def open_gate(base: Path) -> None:
@@ -84,7 +102,7 @@ async def test_a_refill_is_held_while_a_job_holds_the_last_core_and_released_aft
         held = await d.wait_log(lambda e: e.get("event") == "pool.refill_held" and e.get("pid") == refill["pid"],
                                 WAIT)
         assert held["busy"] == 1 and held["cores"] == 1
-        assert frozen(held["cgroup"]), "the refill's cgroup is not frozen while B holds the only core"
+        await wait_frozen(held["cgroup"], True)  # B holds the only core: the refill stops
         status = await d.client.daemon_info()
         assert "1 held until a core is free" in (status.pool_state or ""), status.pool_state
         assert not [e for e in events(d, "pool.worker_ready") if e.get("pid") == refill["pid"]]
@@ -92,6 +110,6 @@ async def test_a_refill_is_held_while_a_job_holds_the_last_core_and_released_aft
         with anyio.fail_after(WAIT):
             assert (await d.client.wait(b)).state == JobState.CANCELLED
         await d.wait_log(lambda e: e.get("event") == "pool.refill_released" and e.get("pid") == refill["pid"], WAIT)
-        assert not frozen(held["cgroup"])
+        await wait_frozen(held["cgroup"], False)
         await open_gate(base)  # thawed, it reads the gate's line and says hello
         await d.wait_log(lambda e: e.get("event") == "pool.worker_ready" and e.get("pid") == refill["pid"], WAIT)
