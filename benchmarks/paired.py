@@ -153,7 +153,7 @@ async def submit(d: Daemon, model: Model, steps: int, side: Side | None, kind: s
     return str(await d.client.submit(spec))
 
 
-def start_torchrun(base: Path, model: Model, steps: int, side: Side, nproc: int) -> subprocess.Popen[bytes]:
+def start_torchrun(model: Model, steps: int, side: Side, nproc: int) -> subprocess.Popen[bytes]:
     argv = bare_argv(model, steps, ["--gate", str(side.directory), "--segment", str(model[5])])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     with (side.directory / "torchrun.log").open("wb") as log:
@@ -181,7 +181,7 @@ async def start_sides(base: Path, model: Model, rounds: int, nproc: int, daemons
     for name, side in sides.items():
         kind, daemon = SIDES[name]
         if kind == "torchrun":
-            side.proc = start_torchrun(base, model, steps, side, nproc)
+            side.proc = start_torchrun(model, steps, side, nproc)
         else:
             side.daemon = daemons[daemon]
             side.job_id = await submit(side.daemon, model, steps + (kind == "task"), side, kind, nproc)
@@ -257,7 +257,7 @@ def describe(result: dict[str, Any]) -> str:
             f"interval, {rounds} rounds; target >= 0.98): {ratios}")
 
 
-async def paired(models: Sequence[str], rounds: int, nproc: int = 2) -> list[dict[str, Any]]:
+async def paired(models: Sequence[Model], rounds: int, nproc: int = 2) -> list[dict[str, Any]]:
     """Per model: every side started, `rounds` rounds of one segment each, the sides run out."""
     slots = max(nproc, os.cpu_count() or 1)
     results = []
@@ -267,8 +267,8 @@ async def paired(models: Sequence[str], rounds: int, nproc: int = 2) -> list[dic
         try:
             for key, config in (("pooled", {}), ("cold", {"pool_size": 0}), ("task", {})):
                 daemons[key] = await start_daemon(base, key, config={"cpu_slots": slots, **config})
-            for label in models:
-                sides = await start_sides(base, MODELS[label], rounds, nproc, daemons)
+            for model in models:
+                sides = await start_sides(base, model, rounds, nproc, daemons)
                 try:
                     for n in range(rounds):
                         for name in order(list(sides), n):
@@ -276,7 +276,7 @@ async def paired(models: Sequence[str], rounds: int, nproc: int = 2) -> list[dic
                     await finish_sides(sides)
                 finally:
                     kill_sides(sides)
-                results.append(summarise(label, sides))
+                results.append(summarise(model[0], sides))
                 print(describe(results[-1]), flush=True)
         finally:
             for d in daemons.values():
@@ -290,7 +290,7 @@ SHORT_ROUNDS, FULL_ROUNDS = 40, 100
 async def bench_paired(ctx: Any) -> None:
     """The suite's entry (``BENCHES["paired"]``): per model, each side's segment rates
     (``paired.<model>``) and its per-round ratios to torchrun's (``paired.<model>.ratio``)."""
-    for result in await paired(list(MODELS), SHORT_ROUNDS if ctx.plan.short else FULL_ROUNDS):
+    for result in await paired(list(MODELS.values()), SHORT_ROUNDS if ctx.plan.short else FULL_ROUNDS):
         label = result["model"]
         rates = ctx.results.metric(f"paired.{label}", "paired", f"paired segments: steps/s ({label}, 2 ranks, CPU)",
                                    "steps/s", higher_is_better=True)
@@ -312,16 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment", type=int, help="steps per segment (default: a fifth of a second's worth per model)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
-    models = args.models.split(",")
-    if unknown := [m for m in models if m not in MODELS]:
+    labels = args.models.split(",")
+    if unknown := [m for m in labels if m not in MODELS]:
         p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.segment is not None:
-        if args.segment < 2:
-            p.error("--segment must be at least 2 steps")
-        for m in models:
-            MODELS[m] = (*MODELS[m][:5], args.segment)
+    if args.segment is not None and args.segment < 2:
+        p.error("--segment must be at least 2 steps")
+    models = [MODELS[m] if args.segment is None else (*MODELS[m][:5], args.segment) for m in labels]
     results = anyio.run(paired, models, args.rounds)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

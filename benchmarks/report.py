@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .common import DDPD, DDPD_COLD, SPAWN, TORCHRUN_NAME, Metric, Results
 from .context import Plan
+from .paired import median_interval
 
 EN_DASH = "\u2013"
 DASH = EN_DASH
@@ -136,8 +137,6 @@ def paired_target(metric: Metric | None, label: str, side: str) -> list[Target]:
     the 95% interval of that median and a second torchrun's own ratio beside it (the method's spread)."""
     if metric is None or side not in metric.series:
         return []
-    from .paired import median_interval
-
     values = metric.series[side].values
     low, high = median_interval(values)
     r = metric.median(side)
