@@ -43,6 +43,7 @@ from .run.lifecycle import ACTIVE
 from .store.bus import EventBus
 from .store.curves import CurveStore
 from .store.journal import Journal
+from .store.private import DAEMON_UMASK, private_umask
 from .store.state import StateDB
 
 log = structlog.get_logger("ddpd")
@@ -288,4 +289,7 @@ def containment(cfg: Config) -> Subtree | None:
 
 def run(config: Config, overrides: dict[str, Any] | None = None) -> None:
     configure_logging(config.log_level, config.log_format)
+    was = private_umask()  # before anything is created: the database is never others' (store.private)
+    if was != DAEMON_UMASK:
+        log.info("daemon.umask_set", umask=f"{DAEMON_UMASK:04o}", inherited=f"{was:04o}")
     anyio.run(Daemon(config, overrides).serve)

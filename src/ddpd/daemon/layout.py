@@ -1,6 +1,8 @@
 """The state directory's layout: every name under it is spelled here and nowhere else.
 
-    <state_dir>/ddpd.db                                 the state database (store.state)
+    <state_dir>/ddpd.db                                 the state database (store.state), root's 0600
+    <state_dir>/ddpd.db-wal, ddpd.db-shm                SQLite's WAL and shared memory, the same
+    <state_dir>/pool.log                                the daemon's own warm workers' output
     <state_dir>/users/<uid>/jobs/<job>/                 a job's files, its owner's (contain.usertree)
         attempt-<n>/rank-<r>.log                        rank r's stdout (ranklogs)
         attempt-<n>/rank-<r>.err                        its stderr: tracebacks, faulthandler's stacks
@@ -17,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DATABASE = "ddpd.db"
+POOL_LOG = "pool.log"
 USERS_DIR = "users"
 JOBS_DIR = "jobs"
 CHECKPOINTS_DIR = "checkpoints"
@@ -24,6 +27,12 @@ CHECKPOINTS_DIR = "checkpoints"
 
 def database(state_dir: Path) -> Path:
     return state_dir / DATABASE
+
+
+def daemon_files(state_dir: Path) -> list[Path]:
+    """The daemon's own files at the top of the state directory: its user's alone (store.private)."""
+    db = database(state_dir)
+    return [db, db.with_name(f"{DATABASE}-wal"), db.with_name(f"{DATABASE}-shm"), state_dir / POOL_LOG]
 
 
 def attempt_name(attempt: int) -> str:

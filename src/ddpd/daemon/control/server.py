@@ -43,6 +43,7 @@ from ...protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_di
 from ..queue.scheduler import Scheduler
 from ..store.curves import CurveStore
 from ..store.errors import DaemonError
+from ..store.private import make_dirs
 from . import handlers
 from .door import Door, Privilege, is_daemon_user, peer_closed
 from .handlers import Context
@@ -72,7 +73,7 @@ def prepare_socket_path(path: Path) -> None:
             make_runtime_dir(path.parent)
         except UnsafeSocketDir as exc:
             raise OSError(str(exc)) from None
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)  # 0755 where it creates one (the daemon's umask is 077): others connect
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -71,6 +71,7 @@ from ..config import Config
 from ..contain import procs
 from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.usertree import create_user_file
+from ..layout import POOL_LOG
 from .channel import WorkerChannel
 from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
 from .yielding import can_idle, freeze_cgroup, idle_cgroup, pool_state, set_priority
@@ -80,7 +81,6 @@ log = structlog.get_logger("ddpd")
 BACKOFF_MAX = 60.0
 SHUTDOWN_WAIT = 5.0
 CGROUP_WAIT = 5.0  # seconds for a pool worker's cgroup to empty after cgroup.kill
-POOL_LOG = "pool.log"
 MAX_KEYS = 256  # keys remembered at once (each is a few hundred bytes; the plan serves the recent ones)
 
 
@@ -302,7 +302,7 @@ class WarmPool:
         try:
             proc = procs.spawn(argv, env=shape.env, cwd=shape.cwd, log_fd=log_fd, pass_fds=[child_end.fileno()],
                                process_group=None, identity=shape.identity,
-                               place=None if cgroup is None else cgroup.add)
+                               place=None if cgroup is None else cgroup.add, what="a pool interpreter's start")
         except OSError as exc:
             parent_end.close()
             if cgroup is not None:

@@ -12,16 +12,20 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
 
 import anyio
 import anyio.to_thread
+import structlog
 
 from ..layout import database
 from .errors import StorageError
+from .private import create_database, make_dirs, narrow
 
 T = TypeVar("T")
+log = structlog.get_logger("ddpd")
 
 BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
 SCHEMA_VERSION = 5  # 4: the usage table (fair share); 5: ranks.replacements (hot replacement)
@@ -124,9 +128,11 @@ class StateDB:
 
     @classmethod
     def open_dir(cls, state_dir: Path) -> StateDB:
-        """Create the state directory if needed and open its database; a problem is one clear StorageError."""
+        """Create the state directory if needed and open its database, root's alone (store.private:
+        created 0600, a wider one narrowed first, `state.files_narrowed`); a problem is one clear
+        StorageError."""
         try:
-            state_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(state_dir)
         except FileExistsError:
             raise StorageError(f"state directory {state_dir}: exists and is not a directory") from None
         except OSError as exc:
@@ -135,9 +141,15 @@ class StateDB:
             raise StorageError(f"state directory {state_dir}: not a directory")
         path = database(state_dir)
         try:
-            return cls(path)
+            narrowed = narrow(state_dir)
+            create_database(state_dir)
+            db = cls(path)
         except (sqlite3.Error, OSError) as exc:
             raise StorageError(f"state database {path}: {exc}") from None
+        if narrowed:
+            log.warning("state.files_narrowed", files=[asdict(n) for n in narrowed],
+                        reason="readable by others: left by a daemon started under a wider umask")
+        return db
 
     def close(self) -> None:
         with self._lock:
