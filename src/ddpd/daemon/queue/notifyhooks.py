@@ -13,7 +13,15 @@ the next start.
 Never blocking the daemon: the scheduler only `post`s a notice (a bounded queue; a full one drops
 it, journalled); `run` delivers them in tasks of its own, at most `AT_ONCE` at a time, each run
 bounded by `notify_timeout` seconds (then its group and cgroup are killed) and retried once. A hook
-that fails twice is a ``job.notify_failed`` event; one that worked, ``job.notified``.
+that fails twice is a ``job.notify_failed`` event; one that worked, ``job.notified``; a first failure,
+``job.notify_retrying``. Each says how the run ended: the hook's real exit status (``exit_code``, or
+``signal``) and, for a URL, the HTTP status of the answer (``http_status``; none where none came).
+
+Bug (issue 34, finding 9): a hook's child was not registered with the reaper of inherited children
+(it leads a process group of its own, so the reaper took it for an orphan): the reaper reaped it
+first, `wait()` got ECHILD, CPython reported exit status 0, and a hook that exited 3, or a URL on a
+closed port, was recorded as delivered and never retried. Every hook now starts through
+`reaper.spawned`, so only its own `wait()` reaps it.
 
 The curve picture: where the plot extra (matplotlib) is installed, a job's end is first drawn as the
 submitter, by `ddpctl plot JOB --png` of the job's interpreter and environment (those its ranks ran
@@ -26,6 +34,7 @@ points, or the drawing failed).
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import itertools
 import json
@@ -37,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import anyio
 import anyio.abc
@@ -48,6 +57,8 @@ from ...protocol.spec import reserved_env
 from ..config import Config
 from ..contain.cgroups import AttemptCgroup, CgroupError, Subtree
 from ..contain.identity import SANE_PATH, Identity, UnknownUser, job_environment, popen_kwargs, submitted_environment
+from ..contain.procs import Exit
+from ..contain.reaper import spawned
 from ..layout import user_job_dir
 from ..store.journal import Journal
 from ..store.records import Job
@@ -65,18 +76,23 @@ PICTURE = "curve.png"  # the curve picture, in the job's folder
 Event = Literal["ended", "restarting", "preempted"]
 
 # run as the submitter by the daemon's interpreter (-I -S: no site, no user paths): POST the JSON
-# of DDPD_NOTIFY_JSON to argv[1] within argv[2] seconds; exit 0 on a 2xx answer
+# of DDPD_NOTIFY_JSON to argv[1] within argv[2] seconds; the answer's HTTP status on stdout; exit 0
+# on a 2xx answer
 POSTER = """
-import os, sys, urllib.request
+import os, sys, urllib.error, urllib.request
 req = urllib.request.Request(sys.argv[1], data=os.environ["DDPD_NOTIFY_JSON"].encode(), method="POST",
                              headers={"Content-Type": "application/json", "User-Agent": "ddpd-notify"})
 try:
     with urllib.request.urlopen(req, timeout=float(sys.argv[2])) as answer:
         code = answer.status
+except urllib.error.HTTPError as exc:
+    code = exc.code
 except Exception as exc:
     sys.exit(f"POST {sys.argv[1]}: {exc}")
+print(code, flush=True)
 sys.exit(0 if 200 <= code < 300 else f"POST {sys.argv[1]}: HTTP {code}")
 """
+STATUS_BYTES = 16  # of the poster's stdout: its HTTP status (a user's process: read bounded, typed)
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,26 @@ def variables(notice: Notice) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class HookRun:
+    """How one run of a hook ended: why it failed (None: it worked), its exit status as its own
+    `wait()` saw it (None: it never started, or was cut off at its bound) and, for a URL, the HTTP
+    status of the answer (None: no answer)."""
+
+    error: str | None
+    exit: Exit | None = None
+    http_status: int | None = None
+
+    def facts(self) -> dict[str, Any]:
+        """The event's fields of this run: `exit_code` or `signal`, and `http_status`."""
+        out: dict[str, Any] = {}
+        if self.exit is not None:
+            out.update({"exit_code": self.exit.code} if self.exit.signal is None else {"signal": self.exit.signal})
+        if self.http_status is not None:
+            out["http_status"] = self.http_status
+        return out
+
+
+@dataclass(frozen=True)
 class Hook:
     kind: Literal["command", "url"]
     target: str
@@ -131,34 +167,49 @@ def hooks_of(job: Job, cfg: Config) -> list[Hook]:
     return [h for h in found if h is not None]
 
 
-def _tail(proc: subprocess.Popen[bytes]) -> bytes:
-    """What the hook left in its stderr pipe (never waits: a grandchild may hold the pipe open)."""
-    if proc.stderr is None:
+def _drain(pipe: IO[bytes] | None, keep: int) -> bytes:
+    """The last `keep` bytes of what the hook left in a pipe of its (never waits: a grandchild may
+    hold the pipe open), and the pipe closed."""
+    if pipe is None:
         return b""
-    fd = proc.stderr.fileno()
+    fd = pipe.fileno()
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
     try:
-        return os.read(fd, 65536)[-ERROR_TAIL:]
+        return os.read(fd, 65536)[-keep:]
     except BlockingIOError:
         return b""
     finally:
-        proc.stderr.close()
+        pipe.close()
+
+
+def http_status(said: bytes) -> int | None:
+    """The HTTP status the poster printed (a user's process: anything but 100-599 is none)."""
+    text = said.strip()
+    return int(text) if text.isdigit() and len(text) == 3 and 100 <= int(text) <= 599 else None
+
+
+def _start(argv: list[str], env: dict[str, str], identity: Identity, place: Callable[[int], None] | None,
+           std: dict[str, Any]) -> subprocess.Popen[bytes]:
+    if place is None:
+        return subprocess.Popen(argv, env=env, cwd="/", **std, **popen_kwargs(identity))
+    from ..contain.gate import spawn_gated  # as interpreter checks do
+
+    return spawn_gated(argv, env, "/", identity if popen_kwargs(identity) else None, place, **std)
 
 
 def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: float,
-             place: Callable[[int], None] | None) -> str | None:
-    """Run one hook as `identity` for at most `timeout` seconds (blocking); why it failed, or None."""
-    std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
-                           "process_group": 0}
-    try:
-        if place is None:
-            proc = subprocess.Popen(argv, env=env, cwd="/", **std, **popen_kwargs(identity))
-        else:
-            from ..contain.gate import spawn_gated  # as interpreter checks do
+             place: Callable[[int], None] | None, *, answer: bool = False) -> HookRun:
+    """Run one hook as `identity` for at most `timeout` seconds (blocking): how it ended. `answer`:
+    its stdout is a URL hook's HTTP status (else /dev/null).
 
-            proc = spawn_gated(argv, env, "/", identity if popen_kwargs(identity) else None, place, **std)
+    Started through `reaper.spawned`: the reaper of inherited children never reaps it, so the exit
+    status is the hook's own (see the module's bug)."""
+    std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE if answer else subprocess.DEVNULL,
+                           "stderr": subprocess.PIPE, "process_group": 0}
+    try:
+        proc = spawned(lambda: _start(argv, env, identity, place, std))
     except OSError as exc:
-        return f"cannot start it: {exc.strerror or exc}"
+        return HookRun(f"cannot start it: {exc.strerror or exc}")
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -169,12 +220,15 @@ def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: 
         except ProcessLookupError:
             pass
         proc.wait()
-    said = _tail(proc).decode(errors="replace").strip()
+    said = _drain(proc.stderr, ERROR_TAIL).decode(errors="replace").strip()
+    status = http_status(_drain(proc.stdout, STATUS_BYTES)) if answer else None
     if code is None:
-        return f"did not finish within {timeout:g} s"
-    if code == 0:
-        return None
-    return f"exit status {code}" + (f": {said.splitlines()[-1]}" if said else "")
+        return HookRun(f"did not finish within {timeout:g} s", http_status=status)
+    ended = Exit.from_returncode(code)
+    if ended.ok:
+        return HookRun(None, ended, status)
+    why = f"exit status {code}" if ended.signal is None else f"killed by {ended.signal}"
+    return HookRun(why + (f": {said.splitlines()[-1]}" if said else ""), ended, status)
 
 
 def end_cgroup(cgroup: AttemptCgroup) -> None:
@@ -262,9 +316,9 @@ class Notifier:
         python = job.spec.python or sys.executable  # what the job ran with (checked at its submit)
         exported = {k: v for k, v in submitted_environment(identity, job.spec.environ).items() if not reserved_env(k)}
         env = job_environment(identity, exported, job.spec.env, {})
-        error = await self._once(identity, picture_argv(python, cfg.socket, job.id, path), env)
-        if error is not None:
-            log.info("notify.no_curve", error=error)
+        drawn = await self._once(identity, picture_argv(python, cfg.socket, job.id, path), env)
+        if drawn.error is not None:
+            log.info("notify.no_curve", error=drawn.error, **drawn.facts())
             return None
         return str(path)
 
@@ -281,25 +335,31 @@ class Notifier:
         except UnknownUser as exc:
             await self._report(job, notice, hook, str(exc), tries=0)
             return
-        error: str | None = None
         timeout = self.config().notify_timeout
         told = {**identity.identity_env(), "PATH": SANE_PATH, **variables(notice)}
         if hook.kind == "url":
             told["DDPD_NOTIFY_JSON"] = json.dumps(asdict(notice))
-        for tries in (1, 2):
-            error = await self._once(identity, hook.argv(timeout), told)
-            if error is None:
-                await self.journal.event(job, "job.notified", hook=hook.kind, notice=notice.event, tries=tries)
-                return
-            if tries == 1:
-                await anyio.sleep(RETRY_PAUSE)
-        await self._report(job, notice, hook, error or "", tries=2)
+        ran = await self._once(identity, hook.argv(timeout), told, answer=hook.kind == "url")
+        if ran.error is not None:  # tried once more, after a pause
+            await self.journal.event(job, "job.notify_retrying", hook=hook.kind, notice=notice.event,
+                                     error=ran.error, **ran.facts())
+            await anyio.sleep(RETRY_PAUSE)
+            ran = await self._once(identity, hook.argv(timeout), told, answer=hook.kind == "url")
+            tries = 2
+        else:
+            tries = 1
+        if ran.error is None:
+            await self.journal.event(job, "job.notified", hook=hook.kind, notice=notice.event, tries=tries,
+                                     **ran.facts())
+            return
+        await self._report(job, notice, hook, ran.error, tries=2, facts=ran.facts())
 
-    async def _report(self, job: Job, notice: Notice, hook: Hook, error: str, tries: int) -> None:
+    async def _report(self, job: Job, notice: Notice, hook: Hook, error: str, tries: int,
+                      facts: dict[str, Any] | None = None) -> None:
         await self.journal.event(job, "job.notify_failed", hook=hook.kind, notice=notice.event, tries=tries,
-                                 error=error)
+                                 error=error, **(facts or {}))
 
-    async def _once(self, identity: Identity, argv: list[str], env: dict[str, str]) -> str | None:
+    async def _once(self, identity: Identity, argv: list[str], env: dict[str, str], answer: bool = False) -> HookRun:
         """One run of a hook (or of the drawing) as the submitter, in a cgroup of its own (where there
         is a subtree), bounded."""
         timeout = self.config().notify_timeout
@@ -311,9 +371,10 @@ class Notifier:
             except OSError as exc:  # it still runs, in its process group only
                 log.warning("notify.cgroup_unavailable", error=str(exc))
         try:
-            return await anyio.to_thread.run_sync(run_hook, argv, env, identity, timeout,
-                                                  None if cgroup is None else cgroup.add, limiter=self._threads,
-                                                  abandon_on_cancel=True)  # the cgroup's end kills it
+            return await anyio.to_thread.run_sync(
+                functools.partial(run_hook, argv, env, identity, timeout, None if cgroup is None else cgroup.add,
+                                  answer=answer),
+                limiter=self._threads, abandon_on_cancel=True)  # the cgroup's end kills it
         finally:
             if cgroup is not None:
                 with anyio.CancelScope(shield=True):
