@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from ddpd.daemon.contain import gate as gate_mod
 from ddpd.daemon.contain.gate import shell_gate, shell_launch, spawn_gated
-from ddpd.daemon.contain.identity import Identity
+from ddpd.daemon.contain.identity import Identity, check_interpreter
 from tests.conftest import assert_gone
 
 from .users import public_dir, two_users
@@ -193,3 +197,68 @@ def _refused_unless_roots_alone(base: Path) -> None:
     copy.chmod(0o755)
     assert not gate_mod._root_only(str(copy))  # not root's
     assert gate_mod._root_only("/usr/bin/env")
+
+
+# Round 3, G1: a launch larger than a pipe, and a reader that never reads (the gate stopped before it
+# reads a byte: what a user did to its own dash after setpriv, without the race)
+BIG = {"PATH": "/usr/bin:/bin", "QUOTES": "'" * 60_000, "MORE": "x" * 100_000}
+
+
+def _stopped(pids: list[int]) -> Callable[[int], None]:
+    def place(pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        pids.append(pid)
+    return place
+
+
+T = TypeVar("T")
+
+
+def _within(start: Callable[[], T], pids: list[int], bound: float) -> T:
+    """`start()` in a thread, which must return within `bound` s (else the stopped gate is killed, so
+    the thread's blocked write ends, and the test fails)."""
+    box: list[T | BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(start())
+        except BaseException as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound)
+    if thread.is_alive():
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        thread.join(PROC_TIMEOUT)
+        pytest.fail(f"the start blocked on its stopped gate for more than {bound} s")
+    result = box[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("shell", [True, False], ids=["shell", "python"])
+def test_a_stopped_gate_never_blocks_the_start_of_a_launch_larger_than_a_pipe(ann: Identity, shell: bool) -> None:
+    """Bug: the daemon wrote a launch larger than the pipe with a blocking write, so a gate that did
+    not read (the user's own dash, SIGSTOPped by the user) held the daemon's thread for good."""
+    pids: list[int] = []
+    proc = _within(lambda: spawn_gated([SYSTEM_PYTHON, "-c", "print('ran')"], BIG, "/", ann, _stopped(pids),
+                                             shell=shell, stdout=subprocess.PIPE), pids, 2.0)
+    os.kill(proc.pid, signal.SIGCONT)  # once it reads on, it runs what it was given, all of it
+    out, _ = proc.communicate(timeout=PROC_TIMEOUT)
+    assert (proc.returncode, out) == (0, b"ran\n")
+    assert_gone(proc.pid)
+
+
+def test_a_stopped_interpreter_check_is_refused_within_its_timeout(ann: Identity) -> None:
+    """Bug (as above, through the interpreter check, which also held the reaper's lock: every
+    later start froze behind it)."""
+    pids: list[int] = []
+    start = time.monotonic()
+    why = _within(lambda: check_interpreter(ann, SYSTEM_PYTHON, BIG, 2.0, None, _stopped(pids)), pids, 10.0)
+    assert why is not None and "did not finish" in why, why
+    assert time.monotonic() - start < 10
+    for pid in pids:
+        assert_gone(pid)

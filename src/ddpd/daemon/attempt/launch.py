@@ -213,7 +213,8 @@ class Launcher:
         try:
             proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fds[0],
                                err_fd=log_fds[1], pass_fds=[child_end.fileno()], process_group=None,
-                               identity=self.run_as, place=self.place)
+                               identity=self.run_as, place=self.place,
+                               what=f"rank {self.offset + rank}'s start")
         except OSError:
             parent_end.close()
             raise

@@ -31,19 +31,34 @@ statuses and messages ("ddpd: cannot start ... [Errno N] ...") as the Python gat
 for what the shell gate cannot carry (an environment name that is not a shell name, a stdin other
 than /dev/null) and where dash or setpriv is missing or not root's alone.
 
-`spawn_gated` blocks (fork, a pipe write): call via anyio.to_thread.
+**Nothing a user can stop is ever waited for.** The launch is written whole, non-blocking, into a
+pipe sized to hold it before the gate reads a byte (`F_SETPIPE_SZ`): the daemon never waits on the
+pipe's reader. Through the shell gate that reader is, after `setpriv`, the user's own dash, which
+the user can SIGSTOP: a launch larger than the pipe could hold (a quoted environment grows 5-fold
+with single quotes) would leave the daemon blocked in `write(2)` for good, so such a launch goes
+through the Python gate instead, whose reader is root's own interpreter until it has read all of
+it; there the pipe is sized too, and a remainder that still does not fit is written against a
+deadline (`LAUNCH_WAIT`): a stall is a `LaunchStalled` error naming what did not start, never a
+freeze. The fork and the registration of the child (`register`, e.g. `reaper.spawned`) come first;
+the placement and the write run after, outside the reaper's lock.
+
+`spawn_gated` blocks briefly (a fork, a cgroup write; a pipe write bounded by `LAUNCH_WAIT`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import marshal
 import os
 import re
+import select
 import shlex
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +67,12 @@ from ddpd.daemon.contain.identity import RANK_UMASK, Identity
 
 GATE_ABANDONED = 111  # the gate's exit status when the daemon gave up before the launch
 GATE_EXEC_FAILED = 127
+LAUNCH_WAIT = 5.0  # seconds the daemon gives root's own (Python) gate to read a launch larger than its pipe
+SHELL_PIPE_LIMIT = 1 << 20  # bytes: a shell launch above this goes through the Python gate (see the module)
+
+
+class LaunchStalled(OSError):
+    """The gate did not read its launch within LAUNCH_WAIT (what it was to start did not start)."""
 
 GATE_SOURCE = r"""
 import marshal, os, sys
@@ -202,6 +223,39 @@ def _gate_command(gate: ShellGate, identity: Identity | None) -> list[str]:
     return [gate.dash, "-c", f"read -r _ || exit {GATE_ABANDONED}; exec {then}"]
 
 
+Register = Callable[[Callable[[], "subprocess.Popen[bytes]"]], "subprocess.Popen[bytes]"]
+
+
+def _direct(start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    return start()
+
+
+def size_pipe(fd: int, size: int) -> int:
+    """Grow the pipe of `fd` to hold `size` bytes where the kernel lets us (root may pass
+    /proc/sys/fs/pipe-max-size); its capacity afterwards."""
+    capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+    if size > capacity:
+        try:
+            capacity = fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+        except OSError:  # over the per-user pipe budget, or pipe-max-size without CAP_SYS_RESOURCE
+            pass
+    return capacity
+
+
+def write_launch(fd: int, data: bytes, deadline: float, what: str) -> None:
+    """Write `data` into the (non-blocking) pipe `fd`, waiting for its reader until `deadline` at most."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+            continue
+        except BlockingIOError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [fd], [], left)[1]:
+            raise LaunchStalled(errno.ETIMEDOUT, f"{what} did not read its launch within {LAUNCH_WAIT:g} s")
+
+
 def spawn_gated(
     argv: Sequence[str],
     env: Mapping[str, str],
@@ -209,27 +263,38 @@ def spawn_gated(
     identity: Identity | None,
     place: Callable[[int], None],
     shell: bool = True,
+    umask: int = RANK_UMASK,
+    register: Register = _direct,
+    what: str = "the gate",
     **popen: Any,
 ) -> subprocess.Popen[bytes]:
     """Start `argv` through the gate; `place(pid)` (e.g. `AttemptCgroup.add`) runs before it execs.
 
     `popen` goes to Popen (stdin, stdout, stderr, pass_fds, process_group...); `env`, `cwd`,
     `user`, `group`, `extra_groups` and `umask` are the gate's business and refused here. A root
-    daemon passes the submitter's `identity`; a per-user daemon passes None. If `place` raises,
-    the gate is abandoned (exits 111, having run nothing), reaped, and the error propagates.
-    `shell` False: the Python gate even where the shell gate could go. Through the shell gate the
-    child's stdin is /dev/null (the only stdin it takes: None or DEVNULL; any other goes the
-    Python way).
+    daemon passes the submitter's `identity`; a per-user daemon passes None. `register` runs the
+    fork (e.g. `reaper.spawned`, which holds its lock for the fork only). If `place` raises, or the
+    gate does not take its launch in time (`LaunchStalled`, naming `what`), the gate is abandoned
+    (exits 111 having run nothing, or is killed), reaped, and the error propagates. `shell` False:
+    the Python gate even where the shell gate could go. Through the shell gate the child's stdin is
+    /dev/null (the only stdin it takes: None or DEVNULL; any other goes the Python way).
     """
-    refused = {"env", "cwd", "user", "group", "extra_groups", "umask", "preexec_fn", "executable"} & popen.keys()
+    refused = {"env", "cwd", "user", "group", "extra_groups", "preexec_fn", "executable"} & popen.keys()
     if refused:
         raise TypeError(f"spawn_gated sets {sorted(refused)} itself")
     stdin_null = popen.get("stdin") in (None, subprocess.DEVNULL)
     gate = shell_gate() if shell and stdin_null else None
-    script = None if gate is None else shell_launch(argv, env, cwd)
+    script = None if gate is None else shell_launch(argv, env, cwd, umask)
+    if script is not None and len(script) + 1 > SHELL_PIPE_LIMIT:
+        script = None  # its reader would be the user's dash: only what the pipe holds may go that way
     # the shell gate's pipe is its stdin: the go-ahead line, then the launch its user's dash runs
-    document = launch_document(argv, env, cwd, identity) if script is None else b"\n" + script
-    read_end, write_end = os.pipe()
+    document = launch_document(argv, env, cwd, identity, umask) if script is None else b"\n" + script
+    read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    os.set_blocking(read_end, True)
+    whole = size_pipe(write_end, len(document)) >= len(document)
+    if script is not None and not whole:
+        script, document = None, launch_document(argv, env, cwd, identity, umask)
+        size_pipe(write_end, len(document))
     try:
         pass_fds = tuple(popen.pop("pass_fds", ()))
         if gate is not None and script is not None:
@@ -238,7 +303,8 @@ def spawn_gated(
         else:
             command = [sys.executable, "-I", "-S", "-c", GATE_SOURCE, str(read_end)]
             pass_fds = (*pass_fds, read_end)
-        proc = subprocess.Popen(command, env={}, cwd="/", pass_fds=pass_fds, close_fds=True, **popen)
+        proc = register(lambda: subprocess.Popen(command, env={}, cwd="/", pass_fds=pass_fds, close_fds=True,
+                                                 **popen))
     except BaseException:
         os.close(write_end)
         raise
@@ -246,12 +312,13 @@ def spawn_gated(
         os.close(read_end)
     try:
         place(proc.pid)
-        with os.fdopen(write_end, "wb") as pipe:
-            write_end = -1
-            pipe.write(document)
+        # whole: the pipe holds it all, so this write never waits; else the reader is root's gate
+        write_launch(write_end, document, time.monotonic() + LAUNCH_WAIT, what)
     except BaseException:
-        if write_end >= 0:
-            os.close(write_end)
+        if isinstance(sys.exc_info()[1], LaunchStalled):
+            proc.kill()
+        os.close(write_end)
         proc.wait()
         raise
+    os.close(write_end)
     return proc

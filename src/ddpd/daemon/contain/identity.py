@@ -173,7 +173,8 @@ def _start_check(identity: Identity, python: str, env: Mapping[str, str], daemon
     from .gate import spawn_gated  # the gate imports this module (Identity, RANK_UMASK)
 
     as_user = identity if popen_kwargs(identity, daemon_uid) else None
-    return spawned(lambda: spawn_gated([python, "-c", INTERPRETER_CHECK], env, "/", as_user, place, **std))
+    return spawn_gated([python, "-c", INTERPRETER_CHECK], env, "/", as_user, place, register=spawned,
+                       what="the interpreter check", **std)
 
 
 def _start_refusal(python: str, who: str, exc: OSError) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from .gate import spawn_gated
-from .identity import Identity
+from .identity import RANK_UMASK, Identity
 from .reaper import spawned
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -86,6 +86,8 @@ def spawn(
     identity: Identity | None = None,
     place: Callable[[int], None] | None = None,
     err_fd: int | None = None,
+    umask: int = RANK_UMASK,
+    what: str = "the process",
 ) -> subprocess.Popen[bytes]:
     """Start a fresh interpreter with stdin /dev/null, stdout to `log_fd` and stderr to `err_fd` (None:
     to `log_fd` too); the fds are the caller's to close.
@@ -102,8 +104,8 @@ def spawn(
     err = subprocess.STDOUT if err_fd is None else err_fd
     group: dict[str, Any] = {"start_new_session": True} if process_group is None else {"process_group": process_group}
     if identity is not None or place is not None:
-        return spawned(lambda: spawn_gated(argv, env, cwd, identity, place or _stay, stdin=subprocess.DEVNULL,
-                                           stdout=log_fd, stderr=err, pass_fds=tuple(pass_fds), **group))
+        return spawn_gated(argv, env, cwd, identity, place or _stay, umask=umask, register=spawned, what=what,
+                           stdin=subprocess.DEVNULL, stdout=log_fd, stderr=err, pass_fds=tuple(pass_fds), **group)
     return spawned(lambda: subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
@@ -113,6 +115,7 @@ def spawn(
         cwd=cwd,
         pass_fds=tuple(pass_fds),
         close_fds=True,
+        umask=umask,
         **group,
     ))
 

@@ -107,7 +107,7 @@ class RendezvousAgent:
         try:
             proc = procs.spawn(argv, env=launch.env, cwd=cwd, log_fd=log_fd, pass_fds=[child_end.fileno()],
                                process_group=0, identity=launch.run_as,
-                               place=None if cgroup is None else cgroup.add)
+                               place=None if cgroup is None else cgroup.add, what="the rendezvous agent's start")
         except OSError as exc:
             parent_end.close()
             if cgroup is not None:

@@ -11,6 +11,10 @@ A reader may also take frames in the callback itself (`frames(quick=...)`): whil
 nothing queued, a frame it can apply at once (a heartbeat: memory only) is applied there and
 nothing wakes. The queue is bounded: past QUEUE_LIMIT frames the socket is no longer read until the
 reader catches up, so a flooding worker waits on its own send, as a blocking read would make it.
+
+Sending never waits on the worker for long: a worker that does not read (stopped, or stuck with
+its socket full) makes a send give up after SEND_WAIT, as if the worker were gone; the frame's
+caller (a stop, a dump, a re-form) goes on with its own deadline.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ...protocol import Decoder, FrameError, LineSplitter, encode
 from ...protocol.channel import DaemonMessage, WorkerMessage
 
 QUEUE_LIMIT = 256  # frames read but not yet taken: past this the socket is not read
+SEND_WAIT = 5.0  # seconds one send waits for a worker to make room in its socket
 READ_SIZE = 1 << 16
 
 _decoder: Decoder[WorkerMessage] = Decoder(WorkerMessage)
@@ -129,7 +134,8 @@ class WorkerChannel:
             self._waiter.set_result(None)
 
     async def send(self, message: DaemonMessage, fds: Sequence[int] = ()) -> bool:
-        """Send one frame (`fds` go with its first byte, SCM_RIGHTS); False when the worker is gone."""
+        """Send one frame (`fds` go with its first byte, SCM_RIGHTS); False when the worker is gone or
+        does not make room for it within SEND_WAIT."""
         data = memoryview(encode(message))
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
         while data:
@@ -137,7 +143,10 @@ class WorkerChannel:
                 sent = self.sock.sendmsg([data], rights) if rights else self.sock.send(data)
                 rights = []
             except BlockingIOError:
-                await anyio.wait_writable(self.sock)
+                with anyio.move_on_after(SEND_WAIT) as waited:
+                    await anyio.wait_writable(self.sock)
+                if waited.cancelled_caught:
+                    return False  # a worker that reads nothing (stopped, or stuck): as good as gone
                 continue
             except OSError:
                 return False
