@@ -1,8 +1,11 @@
 """Process bootstrap: pdeathsig, faulthandler, the reader and heartbeat threads, and the exit path.
 
-The worker never returns through the interpreter's shutdown: it sends its Result or Failure,
-flushes stdout/stderr and leaves with ``os._exit`` (C++ static destructors after
-``destroy_process_group`` sometimes abort with "terminate called without an active exception").
+The way out is Python's, short of the module teardown (`pyexit`): a failure is sent first (the
+daemon tears the job down at once, as torchrun's agent does), then the script's exit work runs
+(non-daemon threads joined, atexit handlers, open files closed), then a success's Result is sent,
+the store's host serves until released, and the rank leaves with ``os._exit`` (freeing a DDP model
+after ``destroy_process_group`` can hang in gloo's destructor, and C++ static destructors
+sometimes abort with "terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ddpd.protocol.channel import (
@@ -38,6 +41,7 @@ from ddpd.protocol.framing import PROTOCOL_VERSION
 from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
+from .pyexit import forget_in_children, leave
 from .runtime import Channel, Runtime
 from .stacks import current_stacks, dump_flight_recorder
 from .storehost import hold_store, serve_store
@@ -243,13 +247,9 @@ def run(runtime: Runtime, assign: Assign) -> Result:
     return run_task(runtime, assign)
 
 
-def finish(runtime: Runtime, code: int) -> NoReturn:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
+def finish(runtime: Runtime, code: int, then: Callable[[], None] = lambda: None) -> NoReturn:
+    """Python's exit work (`pyexit`), then `then()`, then `os._exit(code)`."""
+    leave(code, then)
 
 
 def fail(runtime: Runtime, exc: BaseException, code: int) -> NoReturn:
@@ -296,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
     runtime = Runtime(Channel(sock, daemon_pgid))
+    forget_in_children(lambda: runtime.private_fds)
     api.bind(runtime)
     assignments: queue.Queue[Assign] = queue.Queue()
     threading.Thread(target=read_daemon, args=(runtime, assignments), name="ddpd-reader", daemon=True).start()
@@ -322,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except BaseException as exc:
         fail(runtime, exc, 1)
     runtime.finished()
-    runtime.send(result)
-    hold_store(runtime, assign)
-    finish(runtime, 0)
+
+    def succeeded() -> None:
+        runtime.send(result)
+        hold_store(runtime, assign)
+
+    finish(runtime, 0, succeeded)

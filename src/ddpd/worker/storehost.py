@@ -45,6 +45,7 @@ def serve_store(runtime: Runtime, assign: Assign) -> Any:
         os.close(fd)
         raise
     runtime.keepalive.append(store)
+    runtime.private_fds.append(fd)  # a child the rank forks must not hold the port (pyexit)
     return store
 
 

@@ -1,0 +1,64 @@
+"""A script's exit work under ddpd is what it is under torchrun (and `python`): non-daemon threads
+joined, atexit handlers run, open files flushed and closed, logging's buffers written; its forked
+children do not hold the rank's channel; its ranks get the submitter's umask.
+
+Each case runs the same script under torchrun and as a ddpd job (cold and pooled ranks) and
+compares the files both leave, byte for byte.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.protocol import JobState
+
+from ..conftest import DaemonProc
+from ..scripts.helpers import SCRIPTS
+from .test_script_mode import TORCHRUN
+
+pytestmark = pytest.mark.anyio
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    found = {}
+    for p in sorted(out.iterdir()):
+        data = p.read_bytes()
+        found[p.name] = gzip.decompress(data) if p.suffix == ".gz" else data
+    return found
+
+
+async def _torchrun(script: str, *args: str, umask: int = 0o022) -> int:
+    old = os.umask(umask)
+    try:
+        with anyio.fail_after(120):
+            done = await anyio.run_process([TORCHRUN, "--standalone", "--nproc-per-node=2", script, *args],
+                                           check=False, stdin=subprocess.DEVNULL)
+    finally:
+        os.umask(old)
+    return done.returncode
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "pooled"])
+async def test_exit_work_is_done_as_under_torchrun(daemon: DaemonProc, tmp_path: Path, warm: bool) -> None:
+    """Bug: the rank left with os._exit right after the script: the CSV was 0 bytes, the atexit and
+    uploader files missing, the MemoryHandler's records lost, and the job SUCCEEDED."""
+    ref, ours = tmp_path / "torchrun", tmp_path / "ddpd"
+    ref.mkdir()
+    ours.mkdir()
+    assert await _torchrun(str(SCRIPTS / "exit_work.py"), str(ref)) == 0
+    spec = daemon.spec(script=[str(SCRIPTS / "exit_work.py"), str(ours)], nproc=2)
+    if warm:  # a first job of the same shape leaves the pool with interpreters of this key
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        await daemon.run(daemon.spec(script=[str(SCRIPTS / "exit_work.py"), str(scratch)], nproc=2))
+    view = await daemon.run(spec)
+    assert view.state == JobState.SUCCEEDED, view.root_cause
+    expected = _files(ref)
+    assert len(expected[next(k for k in expected if k.startswith("losses-"))].splitlines()) == 101
+    assert _files(ours) == expected
