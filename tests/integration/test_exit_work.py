@@ -62,3 +62,29 @@ async def test_exit_work_is_done_as_under_torchrun(daemon: DaemonProc, tmp_path:
     expected = _files(ref)
     assert len(expected[next(k for k in expected if k.startswith("losses-"))].splitlines()) == 101
     assert _files(ours) == expected
+
+
+def _modes(out: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "pooled"])
+async def test_ranks_run_with_the_submitters_umask(daemon: DaemonProc, tmp_path: Path, warm: bool) -> None:
+    """Bug: every rank ran at umask 077 (cgroups on) or the daemon's own (off), so what a job made was
+    0600/0700 even from a 027 shell whose team shares a group directory; torchrun gives the shell's."""
+    ref, ours = tmp_path / "torchrun", tmp_path / "ddpd"
+    ref.mkdir()
+    ours.mkdir()
+    assert await _torchrun(str(SCRIPTS / "show_umask.py"), str(ref), umask=0o027) == 0
+    if warm:
+        await daemon.run(daemon.spec(task="two-layer", nproc=2, steps=1))
+    old = os.umask(0o027)
+    try:  # the client sends the submitter's umask with the spec
+        spec = daemon.spec(script=[str(SCRIPTS / "show_umask.py"), str(ours)], nproc=2)
+        job = await daemon.client.submit(spec)
+    finally:
+        os.umask(old)
+    with anyio.fail_after(120):
+        view = await daemon.client.wait(job)
+    assert view.state == JobState.SUCCEEDED, view.root_cause
+    assert _modes(ours) == _modes(ref) == {"dir-0": 0o750, "dir-1": 0o750, "file-0": 0o640, "file-1": 0o640}

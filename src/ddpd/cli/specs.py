@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
-from ddpd.client import BUILTIN_TASKS, JobSpec, build_spec
+from ddpd.client import BUILTIN_TASKS, JobSpec, build_spec, current_umask
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -204,6 +204,7 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     python = values.get("python")
     fields["python"] = os.path.abspath(python if python is not None else sys.executable)
     fields["export"], fields["environ"] = exported(str(values.get("export") or "ALL"), os.environ)
+    fields["umask"] = current_umask()
     if values.get("options"):
         fields["options"] = {key: typed_value(value) for key, value in pairs("--option", values["options"])}
     for key in ("after", "after_any", "after_notok"):

@@ -17,6 +17,7 @@ from ddpd.protocol import (
     SpecError,
     Timeouts,
     check_spec,
+    current_umask,
 )
 from ddpd.protocol.control import (
     CancelResult,
@@ -96,6 +97,7 @@ __all__ = [
     "WhoAmI",
     "build_spec",
     "check_spec",
+    "current_umask",
     "format_stamp",
     "parse_rank_set",
     "parse_since",

@@ -19,9 +19,10 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
+import msgspec
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ddpd.protocol import MAX_FRAME, PROTOCOL_VERSION, JobSpec
+from ddpd.protocol import MAX_FRAME, PROTOCOL_VERSION, JobSpec, current_umask
 from ddpd.protocol.control import (
     Cancel,
     CancelResult,
@@ -266,6 +267,8 @@ class AsyncClient:
         the job once whether or not the first try reached it (`existing` is then True).
         """
         key = idempotency_key if idempotency_key is not None else uuid.uuid4().hex
+        if spec.umask is None:  # the submitter's, as its environment: its ranks create files as its shell would
+            spec = msgspec.structs.replace(spec, umask=current_umask())
 
         def make(i: int) -> Request:
             return Submit(id=i, spec=spec, idempotency_key=key)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from .errors import ErrorCode, RemoteError
 from .framing import MAX_DEPTH, MAX_FRAME, MAX_REQUEST, PROTOCOL_VERSION, Decoder, FrameError, LineSplitter, encode
-from .spec import BUILTIN_TASKS, JobSpec, SpecError, Timeouts, check_spec
+from .spec import BUILTIN_TASKS, DEFAULT_UMASK, JobSpec, SpecError, Timeouts, check_spec, current_umask
 from .states import JobState, RankState, TransitionError, check_job_transition, check_rank_transition
 from .worker import RESERVED_ENV, RESERVED_ENV_PREFIXES
 
 __all__ = [
     "BUILTIN_TASKS",
+    "DEFAULT_UMASK",
     "MAX_DEPTH",
     "MAX_FRAME",
     "MAX_REQUEST",
@@ -33,5 +34,6 @@ __all__ = [
     "check_job_transition",
     "check_rank_transition",
     "check_spec",
+    "current_umask",
     "encode",
 ]

@@ -10,6 +10,7 @@ checked by the daemon.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Annotated, Literal
 
@@ -46,6 +47,22 @@ MAX_JOB_ID = 64
 MIN_MEMORY = 1 << 20  # bytes: a job's memory limit is at least 1 MiB
 MAX_MEMORY = 1 << 50
 MAX_CPUS = 65536.0
+DEFAULT_UMASK = 0o022  # a submit that does not say its umask: the usual shell's
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (`os.umask` sets one to read it: a window in
+    which another thread would create files with the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8) & 0o777
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(DEFAULT_UMASK)
+    os.umask(old)
+    return old & 0o777
 
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -132,6 +149,9 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     notify: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NOTIFY)] | None = None
     notify_url: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NOTIFY,
                                             pattern=r"^https?://[^\s]+$")] | None = None
+    # the submitter's umask, which its ranks run with (as under torchrun from the same shell); sent by
+    # ddpctl and the Python client; None (a raw submit without it): DEFAULT_UMASK
+    umask: Annotated[int, msgspec.Meta(ge=0, le=0o777)] | None = None
 
 
 class SpecError(ValueError):

@@ -38,6 +38,7 @@ from ddpd.protocol.channel import (
     Stop,
 )
 from ddpd.protocol.framing import PROTOCOL_VERSION
+from ddpd.protocol.spec import DEFAULT_UMASK
 from ddpd.protocol.worker import EXIT_ORPHANED, parse_worker_args
 
 from . import api
@@ -207,6 +208,7 @@ def apply_assignment(assign: Assign) -> None:
     for key in assign.unset:
         os.environ.pop(key, None)
     os.environ.update(assign.env)
+    os.umask(DEFAULT_UMASK if assign.spec.umask is None else assign.spec.umask)  # the submitter's
     if assign.spec.workdir:
         start = os.getcwd()
         os.chdir(assign.spec.workdir)

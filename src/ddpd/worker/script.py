@@ -110,11 +110,31 @@ def keep_process_groups(runtime: Runtime) -> None:
     c10d.destroy_process_group = destroy_process_group
 
 
+# functions that call `optimizer.step()` to build an optimizer's state, not to train: torch's
+# `get_state_dict`/`get_optimizer_state_dict` step a fresh optimizer once with zero gradients
+STATE_INITIALISERS = frozenset({"_init_optim_state"})
+CALLER_DEPTH = 6  # frames above the hook looked at: the optimizer's step wrappers, then its caller
+
+
+def initialising_state() -> bool:
+    """Whether the optimizer step being counted is one of STATE_INITIALISERS' (not a training step)."""
+    frame = sys._getframe(2)
+    for _ in range(CALLER_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in STATE_INITIALISERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def count_optimizer_steps(runtime: Runtime) -> Any:
-    """Count every optimizer step of the script (the hook's handle: `.remove()` stops it)."""
+    """Count every optimizer step of the script (the hook's handle: `.remove()` stops it), but not
+    the one torch's distributed state-dict helpers take to initialise a fresh optimizer's state."""
 
     def counted(optimizer: Any, args: Any, kwargs: Any) -> None:
-        runtime.count_step()
+        if not initialising_state():
+            runtime.count_step()
 
     return register_optimizer_step_post_hook(counted)
 

@@ -33,7 +33,7 @@ import anyio.to_thread
 import msgspec
 
 from ...protocol.channel import Assign
-from ...protocol.spec import hot_replacements
+from ...protocol.spec import DEFAULT_UMASK, JobSpec, hot_replacements
 from ...protocol.worker import MARKER_ENV, is_reserved_env, worker_args
 from ..config import Config
 from ..contain import procs
@@ -52,6 +52,11 @@ from .ranks import RankHandle
 
 TAKE_OVER_WAIT = 5.0  # seconds for a pooled worker's own cgroup to empty once its processes moved
 
+
+
+def rank_umask(spec: JobSpec) -> int:
+    """The umask a job's ranks run with: the submitter's, as sent (DEFAULT_UMASK where not)."""
+    return DEFAULT_UMASK if spec.umask is None else spec.umask
 
 def rank_env(base: dict[str, str], job: Job, number: int, rank: int, rdzv: Rendezvous, marker: str,
              error_file: Path, defaults: Mapping[str, str] | None = None,
@@ -213,7 +218,7 @@ class Launcher:
         try:
             proc = procs.spawn(argv, env=self.env(rank), cwd=self.cwd, log_fd=log_fds[0],
                                err_fd=log_fds[1], pass_fds=[child_end.fileno()], process_group=None,
-                               identity=self.run_as, place=self.place,
+                               identity=self.run_as, place=self.place, umask=rank_umask(self.job.spec),
                                what=f"rank {self.offset + rank}'s start")
         except OSError:
             parent_end.close()

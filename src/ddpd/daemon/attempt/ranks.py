@@ -309,8 +309,9 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
     """Wait for the rank's exit (its pidfd); a failed rank ends the attempt at once."""
     exit_ = await procs.wait_exit(h.proc)
     h.signals_before_exit = ctx.signals_sent()
-    with anyio.move_on_after(RESULT_WAIT):  # frames sent just before exiting (the result) are read first
-        await h.reader_done.wait()
+    if h.result is None and h.failure is None:  # the rank said how it ended: no wait for its channel's end
+        with anyio.move_on_after(RESULT_WAIT):  # frames sent just before exiting (the result) are read first
+            await h.reader_done.wait()
     if exit_.ok and h.result is None and not h.reader_done.is_set():
         with anyio.move_on_after(CLEAN_EXIT_RESULT_WAIT):
             await h.reader_done.wait()
