@@ -190,11 +190,14 @@ def http_status(said: bytes) -> int | None:
 
 def _start(argv: list[str], env: dict[str, str], identity: Identity, place: Callable[[int], None] | None,
            std: dict[str, Any]) -> subprocess.Popen[bytes]:
+    """The hook's process, registered with the reaper (`reaper.spawned`) as it is forked: through
+    the gate (its launch written after the fork, outside the reaper's lock), or straight as the user."""
     if place is None:
-        return subprocess.Popen(argv, env=env, cwd="/", **std, **popen_kwargs(identity))
+        return spawned(lambda: subprocess.Popen(argv, env=env, cwd="/", **std, **popen_kwargs(identity)))
     from ..contain.gate import spawn_gated  # as interpreter checks do
 
-    return spawn_gated(argv, env, "/", identity if popen_kwargs(identity) else None, place, **std)
+    return spawn_gated(argv, env, "/", identity if popen_kwargs(identity) else None, place, register=spawned,
+                       what="the notification hook", **std)
 
 
 def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: float,
@@ -207,7 +210,7 @@ def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: 
     std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE if answer else subprocess.DEVNULL,
                            "stderr": subprocess.PIPE, "process_group": 0}
     try:
-        proc = spawned(lambda: _start(argv, env, identity, place, std))
+        proc = _start(argv, env, identity, place, std)
     except OSError as exc:
         return HookRun(f"cannot start it: {exc.strerror or exc}")
     try:
