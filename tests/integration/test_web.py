@@ -3,6 +3,7 @@ and SSE endpoints, a state change arriving over SSE within a second, and cancel 
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import socket
@@ -228,7 +229,8 @@ def test_the_chart_draws_finite_numbers_only() -> None:
 
 
 async def test_open_port_taken_and_no_daemon(daemon: DaemonProc, tmp_path: Path) -> None:
-    """--open hands the printed URL to the browser; a taken port and a missing daemon are one clear line."""
+    """--open hands the browser a private file that redirects to the printed URL; a taken port and a
+    missing daemon are one clear line."""
     opened = tmp_path / "opened"
     browser = tmp_path / "browser.sh"
     _write_script(browser, f'#!/bin/sh\necho "$1" > {opened}\n')
@@ -238,7 +240,9 @@ async def test_open_port_taken_and_no_daemon(daemon: DaemonProc, tmp_path: Path)
         async with web_server(daemon.socket, "--open", env={"BROWSER": str(browser)}) as web:
             with anyio.fail_after(TIMEOUT):
                 await anyio.wait_readable(reader)
-            assert os.read(reader, 4096).decode().strip() == web.url
+            page = os.read(reader, 4096).decode().strip()
+            assert page.startswith("file:///") and page.endswith("/open.html"), page
+            assert f'content="0;url={html.escape(web.url)}"' in await anyio.Path(page.removeprefix("file://")).read_text()
     finally:
         os.close(reader)
     with socket.socket() as taken:

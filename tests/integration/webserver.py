@@ -70,17 +70,18 @@ async def _rest(proc: Process) -> str:
 
 
 @asynccontextmanager
-async def web_server(socket: Path, *args: str, uid: int | None = None,
-                     env: dict[str, str] | None = None) -> AsyncIterator[WebServer]:
+async def web_server(socket: Path, *args: str, uid: int | None = None, env: dict[str, str] | None = None,
+                     prefix: tuple[str, ...] = ()) -> AsyncIterator[WebServer]:
     """`ddpctl web` on the daemon at `socket`, for the block; then SIGTERM, exit 0 and gone.
 
     `uid`: run it as that user (and group of the same number), with the interpreter and path other
-    users can use (tests.scripts.userpython; the caller opens the checkout to them)."""
+    users can use (tests.scripts.userpython; the caller opens the checkout to them). `prefix`: a
+    command it runs under (`prlimit --nofile=N --`), which execs it (the same pid)."""
     argv, environ = [DDPCTL], {**os.environ, "BROWSER": "true", **(env or {})}
     if uid is not None:
         argv = [USER_PYTHON, "-c", "from ddpd.cli import main; main()"]
-        environ = user_env(HOME="/tmp", BROWSER="true", **(env or {}))
-    proc = await anyio.open_process([*argv, "--socket", str(socket), "web", *args], stdin=subprocess.DEVNULL,
+        environ = user_env(**{"HOME": "/tmp", "BROWSER": "true", **(env or {})})
+    proc = await anyio.open_process([*prefix, *argv, "--socket", str(socket), "web", *args], stdin=subprocess.DEVNULL,
                                     cwd="/" if uid is not None else str(REPO), env=environ, user=uid, group=uid,
                                     extra_groups=None if uid is None else [])
     try:
