@@ -298,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
     runtime = Runtime(Channel(sock, daemon_pgid))
+    runtime.private_fds.append(sock.fileno())
     forget_in_children(lambda: runtime.private_fds)
     api.bind(runtime)
     assignments: queue.Queue[Assign] = queue.Queue()

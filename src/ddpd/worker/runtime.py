@@ -36,9 +36,6 @@ class Channel:
         self._daemon_pgid = daemon_pgid
         self.fds: list[int] = []  # descriptors the daemon passed with its frames (SCM_RIGHTS), oldest first
 
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
     def send(self, message: WorkerMessage | AgentReply) -> None:
         data = encode(message)
         with self._lock:
@@ -122,7 +119,7 @@ class Runtime:
         self.keepalive: list[Any] = []
         self.store: Any = None  # the attempt's TCPStore client (a re-formed group takes a prefix of it)
         self.reforms: queue.Queue[int] = queue.Queue()  # generations the daemon's Reform frames named
-        self.private_fds: list[int] = [channel.fileno()]  # the rank's alone: not its forked children's
+        self.private_fds: list[int] = []  # the channel's and the store's: not its forked children's
 
         self._progress_tokens = PROGRESS_BURST
         self._progress_at = time.monotonic()

@@ -31,6 +31,7 @@ import os
 import runpy
 import sys
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -118,7 +119,7 @@ CALLER_DEPTH = 6  # frames above the hook looked at: the optimizer's step wrappe
 
 def initialising_state() -> bool:
     """Whether the optimizer step being counted is one of STATE_INITIALISERS' (not a training step)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(CALLER_DEPTH):
         if frame is None:
             return False
