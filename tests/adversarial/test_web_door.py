@@ -38,6 +38,7 @@ pytestmark = [
 TIMEOUT = 60
 HOARD = 200  # idle connections another user holds
 NOFILE = 128  # the owner's server's descriptors: fewer than HOARD (the bug needed 1,100 against 1,024)
+LOW_NOFILE = ("/bin/sh", "-c", f'ulimit -n {NOFILE}; exec "$@"', "sh")  # the owner's shell, then ddpctl web
 
 # another user's client (standard library only): HOARD connections to the port, never a byte sent;
 # then it waits (bounded) until all but `keep` were answered and closed by the server, prints what
@@ -122,6 +123,12 @@ def _owned_modes(path: Path) -> tuple[tuple[int, int], tuple[int, int]]:
     return (st.st_uid, stat.S_IMODE(st.st_mode)), (folder.st_uid, stat.S_IMODE(folder.st_mode))
 
 
+def _nofile(pid: int) -> int:
+    """The soft limit of open files of `pid`."""
+    line = next(x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if x.startswith("Max open files"))
+    return int(line.split()[3])
+
+
 @asynccontextmanager
 async def hoarding(who: Identity, port: int) -> AsyncIterator[dict[str, Any]]:
     """`who` holds HOARD idle connections to `port` for the block; what it saw."""
@@ -184,8 +191,9 @@ async def test_the_owner_is_served_while_another_user_hoards_idle_connections(
     ann, eve = users
     config = _open_to_everyone(short_tmp)
     async with running_daemon(short_tmp, "--config", str(config)) as d, \
-            web_server(d.socket, uid=ann.uid, prefix=("prlimit", f"--nofile={NOFILE}", "--")) as web, \
+            web_server(d.socket, uid=ann.uid, prefix=LOW_NOFILE) as web, \
             hoarding(eve, int(web.host.rsplit(":", 1)[1])) as seen:
+        assert _nofile(web.proc.pid) == NOFILE  # fewer descriptors than eve's connections
         # eve's share is held, the rest answered 503 at once and closed
         assert seen["connected"] == HOARD and seen["refused"] == HOARD - PER_UID, seen
         assert seen["said"] == "HTTP/1.1 503 Service Unavailable", seen

@@ -76,7 +76,7 @@ async def web_server(socket: Path, *args: str, uid: int | None = None, env: dict
 
     `uid`: run it as that user (and group of the same number), with the interpreter and path other
     users can use (tests.scripts.userpython; the caller opens the checkout to them). `prefix`: a
-    command it runs under (`prlimit --nofile=N --`), which execs it (the same pid)."""
+    command it runs under (`sh -c 'ulimit -n N; exec "$@"' sh`), which execs it (the same pid)."""
     argv, environ = [DDPCTL], {**os.environ, "BROWSER": "true", **(env or {})}
     if uid is not None:
         argv = [USER_PYTHON, "-c", "from ddpd.cli import main; main()"]
