@@ -88,3 +88,20 @@ async def test_ranks_run_with_the_submitters_umask(daemon: DaemonProc, tmp_path:
         view = await daemon.client.wait(job)
     assert view.state == JobState.SUCCEEDED, view.root_cause
     assert _modes(ours) == _modes(ref) == {"dir-0": 0o750, "dir-1": 0o750, "file-0": 0o640, "file-1": 0o640}
+
+
+async def test_a_failing_rank_does_its_exit_work_and_its_own_exit_is_the_root_cause(
+    daemon: DaemonProc, tmp_path: Path
+) -> None:
+    """Bug: the failure frame tore the job down at once, so the failing rank's atexit handlers could
+    be cut short by the teardown's SIGTERM, and the root cause then read "signal SIGTERM"."""
+    ref, ours = tmp_path / "torchrun", tmp_path / "ddpd"
+    ref.mkdir()
+    ours.mkdir()
+    assert await _torchrun(str(SCRIPTS / "fails_with_exit_work.py"), str(ref)) != 0
+    view = await daemon.run(daemon.spec(script=[str(SCRIPTS / "fails_with_exit_work.py"), str(ours)], nproc=2))
+    assert view.state == JobState.FAILED
+    cause = view.root_cause
+    assert cause is not None and (cause.rank, cause.exit_code, cause.signal) == (1, 1, None), cause
+    assert cause.error == "RuntimeError" and cause.message == "rank 1 gives up", cause
+    assert _files(ours) == _files(ref) == {"atexit-1.txt": b"atexit ran\n"}

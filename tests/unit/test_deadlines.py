@@ -188,3 +188,20 @@ def test_a_finished_rank_waiting_for_its_peers_is_not_frozen() -> None:
     outcome = _at(clock, LIMITS, watch, ranks).outcome
     assert outcome is not None and outcome.reason == "progress_timeout" and outcome.root_cause is not None
     assert outcome.root_cause.ranks == [0]
+
+
+def test_a_rank_that_reported_its_failure_has_the_failed_exit_wait_to_exit_on_its_own() -> None:
+    """Bug: a Failure frame ended the attempt at once, so the failing rank was SIGTERMed during its
+    own exit work (its atexit handlers cut short, its root cause "died of signal SIGTERM"); under
+    torchrun it exits on its own first."""
+    clock = FakeClock()
+    limits = Limits(join=30.0, heartbeat=100.0, progress=50.0, heartbeat_interval=1.0, failed_exit=5.0)
+    watch = _watch(clock, nproc=1)
+    t0 = clock.monotonic()
+    failed = RankClock(0, S.JOINED, last_frame=t0, last_step_change=t0, failed_at=t0)
+    clock.advance(4.9)
+    verdict = _at(clock, limits, watch, [failed])
+    assert verdict.outcome is None and verdict.next_at == t0 + 5.0
+    clock.advance(0.1)
+    outcome = _at(clock, limits, watch, [failed]).outcome
+    assert outcome is not None and (outcome.end, outcome.reason) == (AttemptEnd.FAILED, "rank_failed")

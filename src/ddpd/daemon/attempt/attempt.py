@@ -112,7 +112,7 @@ class Attempt:
         self._launcher: Launcher | None = None
         self.limits = Limits(join=timeouts.join, heartbeat=timeouts.heartbeat, progress=timeouts.progress,
                              heartbeat_interval=config.heartbeat_interval, wall=timeouts.wall,
-                             stop_warning=timeouts.stop_warning)
+                             stop_warning=timeouts.stop_warning, failed_exit=timeouts.kill_grace)
         # the owner's tree (usertree, layout): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
         self.job_dir = user_job_dir(config.state_dir, job.owner_uid, job.id)
         self.dir = user_attempt_dir(config.state_dir, job.owner_uid, job.id, number)

@@ -12,7 +12,10 @@ attempt's monotonic time:
 - progress: a rank's step counter frozen for `progress` seconds once it trains (the built-in loop
   from JOINED on, with at least `join` between joining and the first step) (`progress_timeout`);
 - wall: the job's wall time, counted from its first start, with a stop warning `stop_warning`
-  seconds before (never more than half the wall time) (`Verdict.warn`, then `wall_time`).
+  seconds before (never more than half the wall time) (`Verdict.warn`, then `wall_time`);
+- a failed rank's exit: a rank that reported its failure (its Failure frame) runs its exit work
+  and exits on its own, as under torchrun, before the others are torn down; it has `failed_exit`
+  seconds (the kill grace) for that, then the attempt ends anyway (`rank_failed`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Limits:
     heartbeat_interval: float
     wall: float | None = None
     stop_warning: float = 0.0
+    failed_exit: float = 5.0
 
     @property
     def stop_warning_lead(self) -> float:
@@ -54,6 +58,7 @@ class RankClock:
     exited: bool = False
     missed_reported: float | None = None  # the last_frame whose silence was already reported
     finished: bool = False  # it said its task or script returned (phase "done")
+    failed_at: float | None = None  # when it reported its failure (a Failure frame)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,12 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
                 return Verdict(Outcome(AttemptEnd.TIMED_OUT, "heartbeat_timeout", RootCause(
                     reason="heartbeat_timeout", attempt=watch.number, rank=r.rank, phase=r.state.value,
                     detail=_silent(r, watch, now - r.last_frame)), hang=True))
+            deadlines.append(at)
+    for r in live:
+        if r.failed_at is not None:
+            at = r.failed_at + limits.failed_exit
+            if now >= at:
+                return Verdict(Outcome(AttemptEnd.FAILED, "rank_failed"))
             deadlines.append(at)
     if (outcome := _progress(limits, watch, live, now, deadlines)) is not None:
         return Verdict(outcome)

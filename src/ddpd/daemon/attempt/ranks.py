@@ -125,7 +125,7 @@ class RankHandle:
         r = self.rank
         return RankClock(rank=r.rank, state=r.state, last_frame=r.last_frame, last_step_change=r.last_step_change,
                          step=r.step, exited=self.exit is not None, missed_reported=self.missed_reported,
-                         finished=self.finished)
+                         finished=self.finished, failed_at=self.failed_at if self.failure is not None else None)
 
 
 class RankContext(Protocol):
@@ -280,7 +280,9 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                 await journal.event(job, "rank.failed", rank=rank.rank, error=h.failure.error,
                                     message=h.failure.message, phase=h.failure.phase,
                                     traceback=h.failure.traceback)
-            ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))
+            # not torn down yet: the rank runs its exit work and exits on its own first, as under
+            # torchrun (its exit ends the attempt, `watch_exit`), within the kill grace (deadlines)
+            ctx.replan()
 
 
 async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: Any) -> None:
@@ -324,6 +326,8 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
     h.exited.set()
     # a rank lost while training may be replaced in place (replace.py): decided at once, and the
     # replacement starts once the lost rank's exit is recorded
+    if not ok and h.failure is not None:  # it said why it failed, then exited: the attempt ends
+        ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))
     not_replaced = None if ok else ctx.lost(h)
     if not ok and not_replaced is not None:  # decided before the journal write: teardown starts at once
         cause = None
