@@ -84,8 +84,10 @@ def _standard() -> set[int]:
 
 
 def _is_open(obj: Any) -> bool:
+    # by its type only: `isinstance` falls back to `obj.__class__`, which an object's own
+    # `__getattr__` may answer (torch's deprecated `reduce_op` warns on stderr)
     try:
-        return isinstance(obj, io.IOBase) and not obj.closed
+        return issubclass(type(obj), io.IOBase) and not obj.closed
     except Exception:  # a half-built object: its own business
         return False
 
