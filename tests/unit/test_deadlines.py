@@ -205,3 +205,19 @@ def test_a_rank_that_reported_its_failure_has_the_failed_exit_wait_to_exit_on_it
     clock.advance(0.1)
     outcome = _at(clock, limits, watch, [failed]).outcome
     assert outcome is not None and (outcome.end, outcome.reason) == (AttemptEnd.FAILED, "rank_failed")
+
+
+def test_a_rank_silent_in_its_exit_work_after_its_result_is_ended_alone() -> None:
+    """A rank that sent its result and then fell silent (its exit work holds the GIL) is to be ended
+    by itself (`stuck`), its result kept: no outcome for the attempt, and not asked again."""
+    clock = FakeClock()
+    watch = _watch(clock, script=True, nproc=1)
+    t0 = clock.monotonic()
+    done = RankClock(0, S.TRAINING, last_frame=t0, last_step_change=t0, step=5, finished=True, has_result=True)
+    clock.advance(10.0)
+    verdict = _at(clock, LIMITS, watch, [done])
+    assert verdict.outcome is None and verdict.stuck == (0,)
+    ending = RankClock(0, S.TRAINING, last_frame=t0, last_step_change=t0, step=5, finished=True, has_result=True,
+                       ending=True)
+    verdict = _at(clock, LIMITS, watch, [ending])
+    assert verdict.outcome is None and verdict.stuck == ()

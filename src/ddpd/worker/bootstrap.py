@@ -1,9 +1,9 @@
 """Process bootstrap: pdeathsig, faulthandler, the reader and heartbeat threads, and the exit path.
 
-The way out is Python's, short of the module teardown (`pyexit`): a failure is sent first (the
-daemon tears the job down at once, as torchrun's agent does), then the script's exit work runs
-(non-daemon threads joined, atexit handlers, open files closed), then a success's Result is sent,
-the store's host serves until released, and the rank leaves with ``os._exit`` (freeing a DDP model
+The way out is Python's, short of the module teardown (`pyexit`): the Result or Failure is sent
+first (what the script did: its exit work cannot change it, as under python), then the script's
+exit work runs (non-daemon threads joined, atexit handlers, open files closed), the store's host
+serves until released, and the rank leaves with ``os._exit`` (freeing a DDP model
 after ``destroy_process_group`` can hang in gloo's destructor, and C++ static destructors
 sometimes abort with "terminate called without an active exception").
 """
@@ -326,9 +326,5 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     except BaseException as exc:
         fail(runtime, exc, 1)
     runtime.finished()
-
-    def succeeded() -> None:
-        runtime.send(result)
-        hold_store(runtime, assign)
-
-    finish(runtime, 0, succeeded)
+    runtime.send(result)  # what the script did; its exit work cannot change it (as under python)
+    finish(runtime, 0, lambda: hold_store(runtime, assign))

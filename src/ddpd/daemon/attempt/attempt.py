@@ -427,8 +427,11 @@ class Attempt:
         self.replacements.connected(h, self.clock.monotonic())
 
     def port_owner(self) -> PortOwner:
-        """Who may connect to this attempt's ports from this host (portfence): its owner, and root."""
-        return PortOwner(self.job.owner_uid, daemon_tag(self.config.state_dir), f"{self.job.id}/a{self.number}")
+        """Who may connect to this attempt's ports from this host (portfence): its owner, and root. A
+        multi-node job's ports must be fenced, unless the operator allows them unfenced."""
+        required = self.nodes is not None and not self.config.allow_unfenced
+        return PortOwner(self.job.owner_uid, daemon_tag(self.config.state_dir), f"{self.job.id}/a{self.number}",
+                         required)
 
     async def _report_fences(self, rdzv: Rendezvous) -> None:
         """A port that could not be fenced (no nft, no permission) is said in the job's events."""
@@ -479,6 +482,9 @@ class Attempt:
                                              silent=round(now - (h.rank.last_frame or now), 3),
                                              interval=self.config.heartbeat_interval,
                                              timeout=self.limits.heartbeat, state=h.rank.state.value)
+            if verdict.stuck:
+                await self._end_stuck([h for h in self.handles if h.rank.rank in verdict.stuck], now)
+                continue
             if verdict.warn:
                 await self._warn_stop(now, watch.wall_at or now)
                 continue
@@ -489,6 +495,24 @@ class Attempt:
             # (and has moved) ranks times a second; each wake checks every rank (ranks squared a second)
             wake = max(now + TIMER_GRAIN, verdict.next_at if verdict.next_at is not None else now + 1.0)
             await wait_until(self.clock, wake, self._replan.wait)
+
+    async def _end_stuck(self, stuck: list[RankHandle], now: float) -> None:
+        """Ranks that sent their result and then fell silent in their exit work (a native call holding
+        the GIL): where each is (its stacks), then it alone is killed; its result stands."""
+        for h in stuck:
+            h.ended_at_exit = True
+        await self.gang.dump_stacks(only=stuck)
+        for h in stuck:
+            site = self.gang.stack_sites.get(h.rank.rank)
+            silent = now - (h.rank.last_frame or now)
+            where = f" in {site.innermost}" if site is not None else ""
+            await self.journal.event(
+                self.job, "rank.stuck_at_exit", rank=h.rank.rank, seconds=round(silent, 1),
+                where=site.describe() if site is not None else None,
+                message=f"rank {h.rank.rank} finished its {'script' if self.job.spec.script else 'task'} and "
+                        f"was stuck at exit{where} for {silent:.0f} s; ended (its result is kept)")
+            if h.proc.returncode is None and h.rank.pgid is not None:
+                procs.kill_group(h.rank.pgid, signal.SIGKILL)
 
     async def _warn_stop(self, now: float, wall_at: float) -> None:
         """Before the wall-time limit (as Slurm's --signal): every rank is asked to stop at a step

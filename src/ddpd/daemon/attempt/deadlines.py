@@ -7,7 +7,9 @@ attempt's monotonic time:
 - join: every rank JOINED (or further) within `join` seconds of the attempt's start; the ranks
   furthest behind are named (`join_timeout`);
 - heartbeat: a live rank that sent no frame at all for `heartbeat` seconds (`heartbeat_timeout`;
-  a rank that had said its task or script returned is named as stuck at exit);
+  a rank that had said its task or script returned is named as stuck at exit); a rank that had
+  also sent its result is stuck in its exit work, not in the job's: it alone is ended
+  (`Verdict.stuck`) and its result kept;
   after MISSED_HEARTBEATS intervals of silence it is reported once (`Verdict.missed`);
 - progress: a rank's step counter frozen for `progress` seconds once it trains (the built-in loop
   from JOINED on, with at least `join` between joining and the first step) (`progress_timeout`);
@@ -59,6 +61,8 @@ class RankClock:
     missed_reported: float | None = None  # the last_frame whose silence was already reported
     finished: bool = False  # it said its task or script returned (phase "done")
     failed_at: float | None = None  # when it reported its failure (a Failure frame)
+    has_result: bool = False  # it sent its Result frame
+    ending: bool = False  # being ended at its exit (`Verdict.stuck`) already
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Verdict:
     next_at: float | None = None  # else: the earliest pending deadline
     missed: tuple[int, ...] = ()  # ranks to report as heartbeat_missed now
     warn: bool = False  # send the stop warning now
+    stuck: tuple[int, ...] = ()  # ranks stuck in their exit work after their result: end them, keep it
 
 
 def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> Verdict:
@@ -92,9 +97,13 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
         if now >= at:
             return Verdict(join_timeout(limits, watch, ranks, pending))
         deadlines.append(at)
+    stuck: list[int] = []
     for r in live:
-        if r.last_frame is not None:
+        if r.last_frame is not None and not r.ending:
             at = r.last_frame + limits.heartbeat
+            if now >= at and r.finished and r.has_result:
+                stuck.append(r.rank)
+                continue
             if now >= at:
                 return Verdict(Outcome(AttemptEnd.TIMED_OUT, "heartbeat_timeout", RootCause(
                     reason="heartbeat_timeout", attempt=watch.number, rank=r.rank, phase=r.state.value,
@@ -128,7 +137,7 @@ def check(limits: Limits, watch: Watch, ranks: list[RankClock], now: float) -> V
         warn = now >= warn_at
         if not warn:
             deadlines.append(warn_at)
-    return Verdict(None, min(deadlines) if deadlines else None, tuple(missed), warn)
+    return Verdict(None, min(deadlines) if deadlines else None, tuple(missed), warn, tuple(stuck))
 
 
 def _silent(r: RankClock, watch: Watch, seconds: float) -> str:

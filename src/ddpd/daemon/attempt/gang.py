@@ -142,8 +142,9 @@ class RankGang:
                 return
             await anyio.sleep(0.02)
 
-    async def dump_stacks(self) -> None:
-        live = self.live()
+    async def dump_stacks(self, only: list[RankHandle] | None = None) -> None:
+        """Every live rank's stacks into its log (`only`: those ranks'), and where each main thread is."""
+        live = self.live() if only is None else [h for h in only if h in self.live()]
         sizes = {h.rank.rank: await self._size(h) for h in live}
         for h in live:  # faulthandler's C handler: answers even while a C call holds the GIL
             try:

@@ -105,6 +105,7 @@ class RankHandle:
     failures: int = 0
     rejoins: int = 0  # init_process_group calls after the first (a script that destroys and re-inits)
     finished: bool = False  # it said its task or script returned (phase "done"): now on its way out
+    ended_at_exit: bool = False  # stuck in its exit work after its result: ended by the daemon, result kept
     failed_at: float | None = None
     state_at_failure: str | None = None
     signals_before_exit: frozenset[str] = frozenset()
@@ -125,7 +126,12 @@ class RankHandle:
         r = self.rank
         return RankClock(rank=r.rank, state=r.state, last_frame=r.last_frame, last_step_change=r.last_step_change,
                          step=r.step, exited=self.exit is not None, missed_reported=self.missed_reported,
-                         finished=self.finished, failed_at=self.failed_at if self.failure is not None else None)
+                         finished=self.finished, failed_at=self.failed_at if self.failure is not None else None,
+                         has_result=self.result is not None, ending=self.ended_at_exit)
+
+    def succeeded(self, script: bool) -> bool:
+        """Its exit was clean (`rank_succeeded`), or it was ended stuck at exit after its result."""
+        return rank_succeeded(self.exit, self.result, script) or (self.ended_at_exit and self.result is not None)
 
 
 class RankContext(Protocol):
@@ -320,7 +326,7 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
     h.exit = exit_
     rank = h.rank
     rank.exit_code, rank.signal = exit_.code, exit_.signal
-    ok = rank_succeeded(exit_, h.result, ctx.job.spec.script is not None)
+    ok = h.succeeded(ctx.job.spec.script is not None)
     if not ok:
         h.fail(ctx.clock.monotonic())
     h.exited.set()
@@ -352,7 +358,7 @@ def finished_outcome(handles: list[RankHandle], nproc: int, script: bool, number
 
     Ranks that stopped early ended on a cancel (CANCELLED) or on the wall-time warning (TIMED_OUT).
     """
-    if len(handles) != nproc or not all(rank_succeeded(h.exit, h.result, script) for h in handles):
+    if len(handles) != nproc or not all(h.succeeded(script) for h in handles):
         return None
     stopped = any(h.result is not None and h.result.stopped_early for h in handles)
     if stopped and cancel_requested:
