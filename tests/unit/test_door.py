@@ -89,6 +89,7 @@ def test_the_metrics_endpoint_needs_a_token_unless_it_is_declared_public() -> No
 async def test_a_loopback_port_range_held_by_others_falls_back_to_an_ephemeral_port() -> None:
     """Bug: one user binding every port of `port_range` made every job fail `rendezvous`."""
     held = bind_port("127.0.0.1", None)
+    held.listen()  # another user's listener
     port = held.getsockname()[1]
     try:
         with pytest.raises(RendezvousError, match="no free rendezvous port"):

@@ -22,8 +22,7 @@ from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
 from .config import Config, ConfigError, load_config, parse_listen
 from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe, remove_emptied
-from .contain.portfence import daemon_tag
-from .contain.portfence import sweep as sweep_fences
+from .contain.portfence import daemon_tag, fences
 from .contain.procs import set_child_subreaper
 from .contain.reaper import reap_forever
 from .contain.usertree import ensure_base
@@ -50,7 +49,8 @@ log = structlog.get_logger("ddpd")
 
 # keys a reload cannot change: they are bound or opened once at start
 _RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "metrics_public", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup")
+                 "metrics_token", "metrics_public", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup",
+                 "nft_library")
 
 
 async def _gpus(configured: int | None) -> list[GpuInfo]:
@@ -166,7 +166,7 @@ class Daemon:
         db = await anyio.to_thread.run_sync(StateDB.open_dir, cfg.state_dir)  # StorageError: unusable
         await anyio.to_thread.run_sync(ensure_base, cfg.state_dir)  # root's 0711; users/<uid>/ are the users'
         subtree = await anyio.to_thread.run_sync(containment, cfg)
-        await anyio.to_thread.run_sync(sweep_fences, daemon_tag(cfg.state_dir))  # a killed run's port rules
+        await anyio.to_thread.run_sync(open_fences, cfg)  # before any job: a killed run's rules swept
         set_child_subreaper()
         if subtree is not None:  # interpreter checks a killed daemon left running
             await anyio.to_thread.run_sync(sweep_checks, subtree.jobs)
@@ -253,6 +253,17 @@ class Daemon:
         listener = await anyio.create_unix_listener(cfg.socket)
         await anyio.to_thread.run_sync(secure_socket, cfg.socket, cfg.socket_mode, cfg.socket_group)
         return listener
+
+
+def open_fences(cfg: Config) -> None:
+    """This daemon's port fences (contain.portfence): its table made, what killed daemons left
+    swept; where they cannot work, said once here (and at each multi-node submit)."""
+    found = fences(daemon_tag(cfg.state_dir), cfg.nft_library)
+    if found.unavailable:
+        log.warning("fence.unavailable", reason=found.unavailable, allow_unfenced=cfg.allow_unfenced,
+                    multinode="runs unfenced" if cfg.allow_unfenced else "refused")
+    else:
+        log.info("fence.ready", table=f"inet {found.tag}", owned=found.owned)
 
 
 def _remove_empty(subtree: Subtree) -> None:

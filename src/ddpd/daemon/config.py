@@ -114,6 +114,10 @@ class Config:
     allow_root_jobs: bool = False  # a root daemon refuses jobs of uid 0 unless this is set
     admin_group: str | None = None  # members see every job's detail, as root does
     cgroup: str = "auto"  # auto: one cgroup per attempt where cgroup v2 is writable; off: process groups only
+    # port fences (docs/identity.md): without one, a multi-node job's store and endpoint are open to
+    # every local user, so such a job is refused unless this is set
+    allow_unfenced: bool = False
+    nft_library: str = "libnftables.so.1"  # the nftables library the fences go through (a path, or a name)
     interpreter_check_timeout: float = 60.0  # seconds the submit-time `import torch, ddpd.worker` may take
     interpreter_checks_per_user: int = 2  # of those checks one user may run at once
     gpu_sample_interval: float = 10.0  # seconds between samples of each GPU's utilisation (NVML)
@@ -198,6 +202,8 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     admin_group: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] | msgspec.UnsetType | None = (
         msgspec.UNSET)
     cgroup: Literal["auto", "off"] | msgspec.UnsetType = msgspec.UNSET
+    allow_unfenced: bool | msgspec.UnsetType = msgspec.UNSET
+    nft_library: Text | msgspec.UnsetType = msgspec.UNSET
     interpreter_check_timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] | msgspec.UnsetType = msgspec.UNSET
     interpreter_checks_per_user: Annotated[int, msgspec.Meta(ge=1, le=64)] | msgspec.UnsetType = msgspec.UNSET
     gpu_sample_interval: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] | msgspec.UnsetType = msgspec.UNSET

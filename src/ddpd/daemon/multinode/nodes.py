@@ -22,6 +22,7 @@ elastic job re-forms when nodes wait to join. A failing node writes its root cau
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -50,8 +51,8 @@ from ...protocol.agent import (
 from ...protocol.limits import clip_text
 from ...protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
 from ...protocol.spec import JobSpec
-from ..contain.portfence import Fence, PortOwner, fence_port, unfence
-from ..run.rendezvous import Rendezvous, close_rendezvous, listen_on, open_rendezvous
+from ..contain.portfence import Fence, PortOwner, unfence
+from ..run.rendezvous import Rendezvous, bound, close_rendezvous, fenced_listen, open_rendezvous
 from .agentproc import AgentLaunch, RendezvousAgent
 from .elastic import NodeError, joinable, locate_endpoint, port_holders, route_address, taken_text
 from .nodewatch import NodeWatch, Verdict
@@ -124,7 +125,7 @@ class NodeSession:
         if self.agent is not None:
             return
         self.agent = await RendezvousAgent.start(launch)  # first: the endpoint is bound only once it can take it
-        listener = await self._endpoint(PortOwner(owner.uid, owner.tag, f"{launch.job_id}/rdzv"))
+        listener = await self._endpoint(dataclasses.replace(owner, label=f"{launch.job_id}/rdzv"))
         try:
             fds = () if listener is None else (listener.fileno(),)
             request = AgentOpen(id=self._id(), run_id=self.spec.rdzv_id, host=self.host, port=self.port,
@@ -164,16 +165,27 @@ class NodeSession:
             await anyio.sleep(SETTLE_INTERVAL)
 
     async def _bind_fenced(self, address: str, owner: PortOwner) -> socket.socket | None:
-        """The endpoint bound on `address`, its rule installed first (the port is known: no
-        connection can come before the rule); None when the port was taken in between."""
-        if self.fence is None:
-            self.fence, self.unfenced = await fence_port(self.port, owner)
+        """The endpoint bound on `address`, its rule installed (that address and port alone), then
+        listening: no connection comes before the rule, and the rule never covers a port another
+        process holds. None when the port was taken in between. A rule the job requires (multi-node,
+        no allow_unfenced) that cannot be installed is a RendezvousError."""
         try:
-            return listen_on(address, self.port)
+            endpoint = Rendezvous(host=address, port=self.port, listener=bound(address, self.port), fence=self.fence)
         except OSError:
-            rule, self.fence = self.fence, None
-            await unfence(rule)
             return None
+        try:
+            listening = await fenced_listen(endpoint, owner)
+        except BaseException:
+            endpoint.close()  # a rule installed stays in self.fence: `close` removes it
+            raise
+        finally:
+            self.fence, self.unfenced = endpoint.fence, endpoint.unfenced or self.unfenced
+        if not listening:
+            self.fence = None
+            with anyio.CancelScope(shield=True):
+                await close_rendezvous(endpoint)
+            return None
+        return endpoint.listener
 
     async def form(self, number: int, nproc: int, launch: AgentLaunch, owner: PortOwner
                    ) -> tuple[Rendezvous, NodeLayout]:

@@ -26,6 +26,8 @@ from ...protocol.worker import marker_entry
 from ..attempt.attempt import Attempt, Outcome
 from ..config import Config, JobTimeouts
 from ..contain.cgroups import Subtree
+from ..contain.portfence import FenceError, daemon_tag
+from ..contain.portfence import require as require_fences
 from ..contain.usertree import remove_job_dir
 from ..gpu.drain import drain_job
 from ..layout import job_dir
@@ -133,7 +135,9 @@ class Scheduler:
         spec = await resolve_after(await admit(spec, self.config, self.resources), self.table)
         try:
             await anyio.to_thread.run_sync(check_endpoint, spec, owner_uid)  # free, where this daemon serves it
-        except NodeError as exc:
+            if is_multinode(spec) and not self.config.allow_unfenced:  # its ports fenced, or no such job (portfence)
+                await anyio.to_thread.run_sync(require_fences, daemon_tag(self.config.state_dir))
+        except (NodeError, FenceError) as exc:
             raise SpecError("rdzv_endpoint", str(exc).removeprefix("rdzv_endpoint: ")) from None
         while key is not None and (pending := self._pending_keys.get(key)) is not None:
             await pending.wait()  # the same key is being saved: its outcome decides

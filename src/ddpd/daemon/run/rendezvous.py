@@ -1,8 +1,10 @@
 """The attempt's rendezvous port: the daemon binds it, a process of the job's user serves the store.
 
-The daemon binds and listens on the port itself (configured range or ephemeral), so a taken port is
-a clear error or the next port, never a freeze (a loopback store whose whole range is held by
-others, which any local user can do, falls back to an ephemeral port). It never hosts the store:
+The daemon binds the port itself (configured range or ephemeral), so a taken port is a clear error
+or the next port, never a freeze (a loopback store whose whole range is held by others, which any
+local user can do, falls back to an ephemeral port); it fences exactly that address and port for
+the job's owner (`contain.portfence`) and only then listens, so no connection comes before the
+rule and the rule never covers a port someone else holds. It never hosts the store:
 the listening socket goes to the store's host, local rank 0 of the attempt, with its assignment
 (SCM_RIGHTS on the rank's channel, `hand_over`), and the daemon closes its own copy. Rank 0 serves
 ``TCPStore(is_master=True, master_listen_fd=..., wait_for_workers=False)`` on it, as the job's user
@@ -16,13 +18,16 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
+import anyio
 import structlog
 
 from ...protocol.channel import Assign
-from ..contain.portfence import Fence, PortOwner, fence_port, unfence
+from ..contain.portfence import Fence, FenceError, PortOwner, fence_port, unfence
 from ..pool.channel import WorkerChannel
 
 log = structlog.get_logger("ddpd")
+
+LISTEN_TRIES = 3
 
 
 class RendezvousError(RuntimeError):
@@ -36,21 +41,21 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def listen_on(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port and listening (OSError, the socket closed, when it cannot be)."""
+def bound(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, not yet listening (OSError, the socket closed, when it cannot be)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(1024)
     except OSError:
         sock.close()
         raise
+    sock.set_inheritable(False)
     return sock
 
 
 def bind_port(host: str, port_range: tuple[int, int] | None) -> socket.socket:
-    """Bind and listen on the first free port of the range (or an ephemeral one).
+    """Bind (not listen) the first free port of the range (or an ephemeral one).
 
     A taken port is skipped, never waited on; an exhausted range is a clear error.
     """
@@ -58,14 +63,12 @@ def bind_port(host: str, port_range: tuple[int, int] | None) -> socket.socket:
     taken: list[int] = []
     for port in candidates:
         try:
-            sock = listen_on(host, port)
+            return bound(host, port)
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
                 taken.append(port)
                 continue
             raise RendezvousError(f"cannot bind rendezvous port {host}:{port}: {exc.strerror}") from None
-        sock.set_inheritable(False)
-        return sock
     assert port_range is not None
     raise RendezvousError(
         f"no free rendezvous port in {port_range[0]}-{port_range[1]} on {host} "
@@ -94,49 +97,58 @@ class Rendezvous:
 
 async def open_rendezvous(host: str, port_range: tuple[int, int] | None, owner: PortOwner | None = None
                           ) -> Rendezvous:
-    """The attempt's bound port, fenced for `owner` (portfence). On a loopback host a `port_range`
-    that others hold entirely (any local user can bind its ports) falls back to an ephemeral port,
-    logged: no store port needs to cross a firewall there. Elsewhere (a multi-node store) it stays a
-    RendezvousError naming the range."""
+    """The attempt's port: bound, fenced for `owner` on exactly its address and port (portfence),
+    then listening. On a loopback host a `port_range` that others hold entirely (any local user can
+    bind its ports) falls back to an ephemeral port, logged: no store port needs to cross a firewall
+    there. Elsewhere (a multi-node store) it stays a RendezvousError naming the range. A port another
+    process began to listen on between the bind and the listen is bound again (the next free one)."""
+    for _ in range(LISTEN_TRIES):
+        rdzv = Rendezvous(host=host, port=0, listener=_bind(host, port_range), hosted=True)
+        assert rdzv.listener is not None
+        rdzv.port = int(rdzv.listener.getsockname()[1])
+        try:
+            if await fenced_listen(rdzv, owner):
+                return rdzv
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await close_rendezvous(rdzv)
+            raise
+        with anyio.CancelScope(shield=True):
+            await close_rendezvous(rdzv)
+    raise RendezvousError(f"rendezvous ports on {host} were taken between bind and listen {LISTEN_TRIES} times")
+
+
+def _bind(host: str, port_range: tuple[int, int] | None) -> socket.socket:
     try:
-        sock = bind_port(host, port_range)
+        return bind_port(host, port_range)
     except RendezvousError as exc:
         if port_range is None or not _loopback(host) or not str(exc).startswith("no free rendezvous port"):
             raise
         log.warning("rendezvous.range_exhausted", host=host, port_range=list(port_range), fallback="ephemeral")
-        sock = bind_port(host, None)
-    rdzv = Rendezvous(host=host, port=int(sock.getsockname()[1]), listener=sock, hosted=True)
-    if owner is not None:
+        return bind_port(host, None)
+
+
+async def fenced_listen(rdzv: Rendezvous, owner: PortOwner | None) -> bool:
+    """The bound port's rule installed (for `owner`; none without one), then listening; False (the
+    rule kept in `rdzv.fence` for its caller to remove) when another process listens there first.
+    A rule the owner requires that cannot be installed is a RendezvousError naming the port."""
+    assert rdzv.listener is not None
+    if owner is not None and rdzv.fence is None:
+        address = str(rdzv.listener.getsockname()[0])  # what was bound (`host` may be a name)
         try:
-            await fence(rdzv, owner)
-        except BaseException:
-            await close_rendezvous(rdzv)
-            raise
-    return rdzv
-
-
-async def fence(rdzv: Rendezvous, owner: PortOwner) -> None:
-    """Install the port's rule, then drop the connections queued before it was in place: no rank
-    exists yet and the address is published nowhere, so none of them is the job's."""
-    rdzv.fence, rdzv.unfenced = await fence_port(rdzv.port, owner)
-    if rdzv.fence is not None and rdzv.listener is not None:
-        drop_queued(rdzv.listener)
-
-
-def drop_queued(sock: socket.socket) -> int:
-    """Accept and close every connection waiting in the listener's backlog (how many there were)."""
-    dropped = 0
-    sock.setblocking(False)
+            rdzv.fence, rdzv.unfenced = await fence_port(address, rdzv.port, owner)
+        except FenceError as exc:
+            raise RendezvousError(
+                f"port {rdzv.port} on {rdzv.host} cannot be fenced to the job's owner ({exc}): a multi-node "
+                "job's store would be open to every local user; refused (the daemon's operator may set "
+                "allow_unfenced = true to run it unfenced)") from None
     try:
-        while True:
-            conn, _ = sock.accept()
-            conn.close()
-            dropped += 1
-    except OSError:  # empty (EAGAIN), or out of descriptors (EMFILE): never an error of the attempt
-        pass
-    finally:
-        sock.setblocking(True)
-    return dropped
+        rdzv.listener.listen(1024)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise RendezvousError(f"cannot listen on {rdzv.host}:{rdzv.port}: {exc.strerror}") from None
+        return False
+    return True
 
 
 async def close_rendezvous(rdzv: Rendezvous) -> None:
