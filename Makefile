@@ -30,7 +30,8 @@ lint: setup
 test: lint nftables
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-# the port fences' tests need nft (tests/adversarial/test_trust_boundary.py): installed where missing, as root
+# the port fences' tests need nftables (tests/adversarial/test_trust_boundary.py, test_port_fences.py):
+# installed where missing, as root
 nftables:
 	@command -v nft >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null || \
 		(apt-get update -q && apt-get install -y -q nftables)
