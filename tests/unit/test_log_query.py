@@ -9,7 +9,7 @@ import pytest
 
 from ddpd.protocol.control import Logs
 from ddpd.protocol.logquery import MAX_TAIL, QueryError, format_stamp, parse_rank_set, parse_since
-from ddpd.protocol.spec import MAX_NPROC
+from ddpd.protocol.spec import MAX_NPROC, MAX_WORLD
 
 
 def test_rank_sets_take_ranks_and_ranges() -> None:
@@ -17,6 +17,7 @@ def test_rank_sets_take_ranks_and_ranges() -> None:
     assert parse_rank_set("0,2-3") == [0, 2, 3]
     assert parse_rank_set(" 3 , 1-2,2 ") == [1, 2, 3]
     assert parse_rank_set(f"0-{MAX_NPROC - 1}") == list(range(MAX_NPROC))
+    assert parse_rank_set(f"{MAX_WORLD - 2}-{MAX_WORLD - 1}") == [MAX_WORLD - 2, MAX_WORLD - 1]  # global ranks
 
 
 @pytest.mark.parametrize(("text", "problem"), [
@@ -27,7 +28,9 @@ def test_rank_sets_take_ranks_and_ranges() -> None:
     ("-1", "is not a rank or a range"),  # "-1" reads as an empty start of a range
     ("3-1", "runs backwards"),
     (f"0-{10**12}", "out of range"),  # refused, never expanded
-    (str(MAX_NPROC), "out of range"),
+    (str(MAX_WORLD), "out of range"),
+    (f"0-{MAX_NPROC}", f"more than {MAX_NPROC} ranks"),
+    (f"0-{MAX_NPROC // 2},{MAX_NPROC}-{MAX_NPROC * 3 // 2}", f"more than {MAX_NPROC} ranks"),
     ("1," * 5000, "longer than"),
 ])
 def test_bad_rank_sets_name_their_problem(text: str, problem: str) -> None:

@@ -100,7 +100,8 @@ def test_env_tab_is_a_control_character_too() -> None:
     {"op": "list", "id": 1, "limit": 0},
     {"op": "list", "id": 1, "before": -1},
     {"op": "list", "id": 2**64},
-    {"op": "logs", "id": 1, "job_id": "j", "rank": 1024},
+    {"op": "logs", "id": 1, "job_id": "j", "rank": 1024 * 4096},  # past every global rank (MAX_WORLD)
+    {"op": "stacks", "id": 1, "job_id": "j", "rank": 1024 * 4096},
     {"op": "logs", "id": 1, "job_id": "j", "attempt": 0},
     {"op": "events", "id": 1, "since": -1},
     {"op": "events", "id": 1, "limit": 10**6},

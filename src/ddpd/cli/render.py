@@ -11,7 +11,18 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ddpd.client import CancelResult, DaemonInfo, EventView, GpuView, JobState, JobView, RankGpu, RootCause
+from ddpd.client import (
+    CancelResult,
+    DaemonInfo,
+    EventView,
+    GpuView,
+    JobState,
+    JobView,
+    RankGpu,
+    RootCause,
+    local_ranks,
+    span_text,
+)
 
 FINAL = frozenset(s.value for s in JobState if s.final)
 
@@ -251,15 +262,23 @@ def job_detail(view: JobView, now: float) -> RenderableType:
     return Group(*parts)
 
 
+NODE_STATE_STYLES = {"lost": "bold red", "unreachable": "bold red", "unknown": "dim", "stopped": "yellow"}
+
+
 def nodes_table(view: JobView) -> Table:
-    """A multi-node job's nodes: host, node rank, daemon, state and global ranks (this node marked *)."""
+    """A multi-node job's nodes: host, node rank, daemon, state and global ranks (this node marked *),
+    and which ranks this daemon's per-rank commands (logs, stacks) show."""
     table = Table(title="nodes", title_justify="left")
     for name in ("node", "host", "daemon", "state", "ranks", "detail"):
         table.add_column(name, justify="right" if name == "node" else "left", overflow="fold")
     for node in view.nodes:
-        ranks = f"{node.ranks[0]}-{node.ranks[-1]}" if len(node.ranks) > 1 else ",".join(map(str, node.ranks))
+        style = NODE_STATE_STYLES.get(node.state) or STATE_STYLES.get(node.state.upper(), "")
         table.add_row(Text(f"{node.node_rank}{'*' if node.local else ''}"), Text(node.host), Text(node.daemon),
-                      _state(node.state), Text(ranks), Text(node.detail))
+                      Text(node.state, style=style), Text(span_text(node.ranks)), Text(node.detail))
+    mine = local_ranks(view.nodes)
+    if mine and len(view.nodes) > 1:
+        table.caption = f"logs and stacks here: ranks {span_text(mine)}; the others' on their own node's daemon"
+        table.caption_justify = "left"
     return table
 
 

@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import sys
 
-from ddpd.client import Client, StackGroup, StacksResult
+from ddpd.client import Client, StackGroup, StacksResult, span_text
 
 from .output import note, print_json
 
 
 def rank_list(ranks: list[int]) -> str:
     """`[0, 1, 2, 5]` -> "0-2,5"."""
-    parts: list[str] = []
-    start = prev = None
-    for r in sorted(ranks):
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
+    return span_text(ranks)
 
 
 OWN_THREADS = ("ddpd-",)  # the worker's own threads (ddpd-dump, ddpd-heartbeat): in every rank, never the story

@@ -45,6 +45,8 @@ from ddpd.protocol.control import (
 )
 from ddpd.protocol.logquery import MAX_TAIL, QueryError, format_stamp, parse_rank_set, parse_since
 from ddpd.protocol.logquery import Stream as LogStream
+from ddpd.protocol.nodes import NodeView, local_ranks, span_text
+from ddpd.protocol.spec import MAX_WORLD
 
 from .aio import AsyncClient, AsyncConnection, AsyncStream
 from .blocking import Client, Connection, Stream
@@ -54,6 +56,7 @@ from .wire import build_spec
 __all__ = [
     "BUILTIN_TASKS",
     "MAX_TAIL",
+    "MAX_WORLD",
     "AsyncClient",
     "AsyncConnection",
     "AsyncStream",
@@ -75,6 +78,7 @@ __all__ = [
     "JobView",
     "LogChunk",
     "LogStream",
+    "NodeView",
     "ProtocolError",
     "QueryError",
     "RankGpu",
@@ -99,6 +103,8 @@ __all__ = [
     "check_spec",
     "current_umask",
     "format_stamp",
+    "local_ranks",
     "parse_rank_set",
     "parse_since",
+    "span_text",
 ]

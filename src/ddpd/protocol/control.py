@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 
 from .logquery import MAX_TAIL
-from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, JobSpec
+from .spec import INT64_MAX, INT64_MIN, MAX_NPROC, MAX_WORLD, JobSpec
 from .views import (
     CancelResult,
     CurvePoint,
@@ -51,6 +51,7 @@ EVENTS_LIMIT = 100_000  # events one non-following `events` request may ask for
 RequestId = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+GlobalRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD)]  # as `status` lists it (across nodes: torchrun's)
 IdempotencyKey = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 
 
@@ -97,15 +98,16 @@ class Wait(_Req, tag="wait"):
 
 
 class Logs(_Req, tag="logs"):
-    """A job's rank logs: `rank` or the rank set `ranks` (None: all), `stream` (stdout, stderr or
-    both, ordered by stamp), the last `tail` lines of each rank and/or lines stamped at or after
-    `since` (seconds since the epoch); see protocol.logquery and docs/logs.md."""
+    """A job's rank logs: `rank` or the rank set `ranks` (None: all of this daemon's), by global rank
+    (another node's rank of a multi-node job: `other_node`), `stream` (stdout, stderr or both,
+    ordered by stamp), the last `tail` lines of each rank and/or lines stamped at or after `since`
+    (seconds since the epoch); see protocol.logquery and docs/logs.md."""
 
     job_id: JobId
-    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)] | None = None
+    rank: GlobalRank | None = None
     attempt: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] | None = None
     follow: bool = False
-    ranks: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)]],
+    ranks: Annotated[list[GlobalRank],
                      msgspec.Meta(min_length=1, max_length=MAX_NPROC)] | None = None
     stream: Literal["stdout", "stderr", "both"] = "both"
     tail: Annotated[int, msgspec.Meta(ge=0, le=MAX_TAIL)] | None = None
@@ -123,11 +125,12 @@ class Events(_Req, tag="events"):
 
 
 class StacksReq(_Req, tag="stacks"):
-    """The current stack of every thread of the job's live ranks (or of `rank`), the job running on;
-    `native`: native frames too, with py-spy where the daemon has it."""
+    """The current stack of every thread of the job's live ranks on this daemon (or of `rank`, by
+    global rank), the job running on; `native`: native frames too, with py-spy where the daemon
+    has it."""
 
     job_id: JobId
-    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_NPROC)] | None = None
+    rank: GlobalRank | None = None
     native: bool = False
 
 

@@ -13,6 +13,7 @@ class ErrorCode(enum.StrEnum):
     VERSION_MISMATCH = "version_mismatch"
     BAD_SPEC = "bad_spec"
     NOT_FOUND = "not_found"
+    OTHER_NODE = "other_node"  # a rank of a multi-node job that runs on another node: ask its daemon
     AMBIGUOUS = "ambiguous"  # a job id prefix that more than one job has
     PERMISSION_DENIED = "permission_denied"
     NOT_RUNNABLE = "not_runnable"

@@ -1,8 +1,9 @@
 """What a `logs` request may ask, parsed the same way by the client and the daemon: a rank set
 ("0,2-3"), a start time ("10m", "30s", "2h", "1d", or an ISO-8601 time), the stream, the tail.
 
-Everything is bounded: a rank set names at most MAX_NPROC ranks below MAX_NPROC (a range such as
-"0-1000000" is refused, not expanded), and a tail asks for at most MAX_TAIL lines.
+Everything is bounded: a rank set names at most MAX_NPROC ranks, each a global rank below MAX_WORLD
+(a multi-node job numbers its ranks across its nodes; a range such as "0-1000000" is refused, not
+expanded), and a tail asks for at most MAX_TAIL lines.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 from datetime import UTC, datetime
 from typing import Literal
 
-from .spec import MAX_NPROC
+from .spec import MAX_NPROC, MAX_WORLD
 
 MAX_TAIL = 100_000  # lines of each rank a `--tail` may ask for
 MAX_SPEC = 4096  # characters of a rank set or a time as given
@@ -27,8 +28,9 @@ class QueryError(ValueError):
     """A rank set or a time that cannot be used; the message names the problem."""
 
 
-def parse_rank_set(text: str, limit: int = MAX_NPROC) -> list[int]:
-    """"0,2-3" -> [0, 2, 3]: comma-separated ranks and inclusive ranges, each below `limit`."""
+def parse_rank_set(text: str, limit: int = MAX_WORLD) -> list[int]:
+    """"0,2-3" -> [0, 2, 3]: comma-separated ranks and inclusive ranges, each below `limit`, at most
+    MAX_NPROC of them."""
     if len(text) > MAX_SPEC:
         raise QueryError(f"rank set: longer than {MAX_SPEC} characters")
     ranks: set[int] = set()
@@ -48,6 +50,8 @@ def parse_rank_set(text: str, limit: int = MAX_NPROC) -> list[int]:
             raise QueryError(f"rank set {text!r}: range {part!r} runs backwards")
         if hi >= limit:
             raise QueryError(f"rank set {text!r}: rank {hi} is out of range (below {limit})")
+        if hi - lo >= MAX_NPROC or len(ranks.union(range(lo, hi + 1))) > MAX_NPROC:
+            raise QueryError(f"rank set {text!r}: more than {MAX_NPROC} ranks")
         ranks.update(range(lo, hi + 1))
     return sorted(ranks)
 

@@ -4,12 +4,15 @@ Pure functions over plain values (no I/O): `parse_nnodes` reads torchrun's ``--n
 ``MIN:MAX``), `parse_endpoint` its ``--rdzv-endpoint`` (``HOST:PORT``, ``[V6]:PORT``),
 `check_run_id` its ``--rdzv-id``; each raises ValueError with the problem. `rank_layout` gives a
 node's first global rank and the world size as torchrun assigns them: the local world sizes of the
-nodes before it, summed in node-rank order. `NodeView` is what a daemon shows of one node of a job.
+nodes before it, summed in node-rank order. `NodeView` is what a daemon shows of one node of a job;
+`node_of`, `local_ranks` and `elsewhere_text` read a job's node table (which node runs a global rank,
+which ranks this daemon runs, and what a daemon answers for a rank it does not run).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import msgspec
 
@@ -74,7 +77,45 @@ class NodeView(msgspec.Struct, omit_defaults=True):
     node_rank: int
     host: str
     daemon: str  # hostname:pid of its daemon
-    state: str  # joining, running, succeeded, failed, lost, unreachable, ...
+    state: str  # starting, running, succeeded, failed, cancelled, timed_out, stopped, lost, unknown, ...
     ranks: list[int] = msgspec.field(default_factory=list)  # its global ranks
     local: bool = False  # this daemon's own node
     detail: str = ""
+
+
+UNKNOWN = "unknown"  # a node this daemon stopped hearing from before it said how it ended
+
+
+def node_of(nodes: Sequence[NodeView], rank: int) -> NodeView | None:
+    """The node that runs global rank `rank` (None: no node of the table)."""
+    return next((n for n in nodes if rank in n.ranks), None)
+
+
+def local_ranks(nodes: Sequence[NodeView]) -> list[int] | None:
+    """The global ranks of the daemon's own node (None: the table has no node of its own)."""
+    return next((list(n.ranks) for n in nodes if n.local), None)
+
+
+def daemon_text(daemon: str) -> str:
+    """`host-a:1234` (a node record's daemon) -> "daemon pid 1234 on host-a"."""
+    host, _, pid = daemon.rpartition(":")
+    if not pid.isdigit():
+        return f"daemon {daemon}"
+    return f"daemon pid {pid} on {host}" if host else f"daemon pid {pid}"
+
+
+def elsewhere_text(rank: int, node: NodeView) -> str:
+    """What a daemon answers for a rank that another node runs."""
+    return (f"rank {rank} runs on node {node.node_rank} (host {node.host}, {daemon_text(node.daemon)}): "
+            f"ask that daemon")
+
+
+def span_text(ranks: Sequence[int]) -> str:
+    """`[0, 1, 2, 5]` -> "0-2,5": the ranks as sorted runs."""
+    runs: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

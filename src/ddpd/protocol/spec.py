@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .nodes import check_run_id, parse_endpoint, parse_nnodes
+from .nodes import MAX_NODES, check_run_id, parse_endpoint, parse_nnodes
 from .worker import is_reserved_env
 
 BUILTIN_TASKS = frozenset({"two-layer", "mlp"})
@@ -27,6 +27,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 PRIORITY_LIMIT = 2**31  # |priority| below this; the daemon's configured band is narrower
 MAX_NPROC = 1024  # ranks of one job: more than one machine could ever run
+MAX_WORLD = MAX_NODES * MAX_NPROC  # global ranks of a multi-node job: every node's ranks
 MAX_NAME = 200
 MAX_TASK = 200
 MAX_PATH = 4096  # workdir and each script argument

@@ -28,7 +28,7 @@ from . import data, live, present, sse
 from .context import Web
 from .guard import Guard
 
-STATUS_OF = {ErrorCode.NOT_FOUND.value: 404, ErrorCode.AMBIGUOUS.value: 404,
+STATUS_OF = {ErrorCode.NOT_FOUND.value: 404, ErrorCode.AMBIGUOUS.value: 404, ErrorCode.OTHER_NODE.value: 404,
              ErrorCode.PERMISSION_DENIED.value: 403, ErrorCode.NOT_RUNNABLE.value: 409}
 LOG_STREAMS = ("both", "stdout", "stderr")
 

@@ -16,13 +16,13 @@ import pwd
 import re
 from dataclasses import dataclass, field
 
-from ddpd.client import AsyncClient, CurveResult, DaemonInfo, JobState, JobView, RemoteError
+from ddpd.client import MAX_WORLD, AsyncClient, CurveResult, DaemonInfo, JobState, JobView, RemoteError
 
 PAGE_SIZE = 50  # rows of the jobs page
 MAX_PAGE = 500  # the daemon's own page limit
 SCAN_LIMIT = 5000  # jobs looked at for one filtered page at most
 INT64_MAX = 2**63 - 1
-MAX_RANK = 1023  # the protocol's bound on a job's ranks, less one (the daemon checks it again)
+MAX_RANK = MAX_WORLD - 1  # the protocol's bound on a global rank, less one (the daemon checks it again)
 _USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}\$?$")
 _JOB_ID = re.compile(r"^[\x21-\x7e]{1,64}$")
 ACTIVE = frozenset(s.value for s in JobState if not s.final)

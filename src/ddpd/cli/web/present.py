@@ -16,7 +16,18 @@ import jinja2
 import msgspec
 from markupsafe import Markup
 
-from ddpd.client import CurveResult, EventView, GpuView, JobState, JobView, RankView, RootCause
+from ddpd.client import (
+    CurveResult,
+    EventView,
+    GpuView,
+    JobState,
+    JobView,
+    NodeView,
+    RankView,
+    RootCause,
+    local_ranks,
+    span_text,
+)
 
 from .. import curves, render
 from . import chart
@@ -106,6 +117,19 @@ def rank_row(rank: RankView) -> dict[str, Any]:
             "exit": exit_text, "gpus": render.rank_gpu_text(rank.gpus) if rank.gpus else ""}
 
 
+def node_row(node: NodeView) -> dict[str, Any]:
+    return {"node": f"{node.node_rank}{'*' if node.local else ''}", "host": node.host, "daemon": node.daemon,
+            "state": node.state, "ranks": span_text(node.ranks), "detail": node.detail}
+
+
+def log_ranks(job: JobView) -> list[int]:
+    """The ranks whose logs this daemon shows, by global rank: its node's (a multi-node job), else all."""
+    mine = local_ranks(job.nodes)
+    if mine is not None:
+        return mine
+    return sorted({r.rank for r in job.ranks}) if job.nodes else list(range(job.spec.nproc))
+
+
 def progress(curve: CurveResult | None, final: bool) -> dict[str, str]:
     """steps/s, ETA, last loss and step of the curve, as words ("" where unknown)."""
     if curve is None:
@@ -146,6 +170,7 @@ def job_context(detail: JobDetail, now: float, viewer: int) -> dict[str, Any]:
     return {"job": job, "row": job_row(job, now), "causes": cause_rows(job.root_cause),
             "traceback": (job.root_cause.traceback or "") if job.root_cause else "",
             "ranks": [rank_row(r) for r in job.ranks], "progress": progress(detail.curve, final),
+            "nodes": [node_row(n) for n in job.nodes], "log_ranks": log_ranks(job),
             "chart": curve_svg(detail.curve), "final": final, "spec": spec_text(job),
             "may_stack": viewer in (0, job.owner_uid) and job.state == "RUNNING",
             "may_cancel": not final}

@@ -12,6 +12,7 @@ server sends each as `Item`, then `End`). Every expected failure is a `DaemonErr
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import sys
@@ -64,6 +65,7 @@ from ...protocol.spec import reserved_env
 from ..config import ConfigError
 from ..contain.identity import Identity, UnknownUser, check_serves, job_environment, submitted_environment
 from ..gpu.gpuview import daemon_gpus, with_rank_gpus
+from ..multinode.placement import check_rank, held_ranks
 from ..queue.fairshare import share_views
 from ..queue.jobids import resolve
 from ..queue.scheduler import Scheduler
@@ -72,7 +74,6 @@ from ..store.errors import (
     BadConfigError,
     BadSpecError,
     ForbiddenError,
-    NotFoundError,
     NotRunnableError,
     ShuttingDownError,
     VersionMismatchError,
@@ -209,9 +210,13 @@ async def wait(ctx: Context, req: Wait, uid: int) -> JobView:
 
 async def logs(ctx: Context, req: Logs, uid: int) -> AsyncIterator[LogChunk]:
     job = await _detailed(ctx, req.job_id, uid, "logs")
-    for r in ([] if req.rank is None else [req.rank]) + (req.ranks or []):
-        _check_rank(job, r)
-    async for chunk in log_chunks(ctx.scheduler.config.state_dir, job, req):
+    held = functools.partial(held_ranks, ctx.scheduler.journal, job)  # by global rank (multinode.placement)
+    asked = ([] if req.rank is None else [req.rank]) + (req.ranks or [])
+    if asked:
+        mine = await held(req.attempt or job.attempt)
+        for r in asked:
+            check_rank(job, r, mine)
+    async for chunk in log_chunks(ctx.scheduler.config.state_dir, job, req, held):
         yield chunk
 
 
@@ -234,7 +239,7 @@ async def stacks(ctx: Context, req: StacksReq, uid: int) -> StacksResult:
     if attempt is None or job.state.final:
         raise NotRunnableError(f"job {job.id} is {job.state.value}, not running")
     if req.rank is not None:
-        _check_rank(job, req.rank)
+        check_rank(job, req.rank, await held_ranks(ctx.scheduler.journal, job, job.attempt))
     return await attempt.stacks(req.rank, req.native)
 
 
@@ -320,11 +325,6 @@ async def _detailed(ctx: Context, job_id: str, uid: int, what: str) -> Job:
     if not (await _detail(ctx, uid))(job.owner_uid):
         raise ForbiddenError(not_yours(job, what))
     return job
-
-
-def _check_rank(job: Job, rank: int) -> None:
-    if not 0 <= rank < job.spec.nproc:
-        raise NotFoundError(f"job {job.id} has no rank {rank}")
 
 
 async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> SubmitResult:

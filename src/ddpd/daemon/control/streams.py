@@ -15,7 +15,7 @@ from pathlib import Path
 from ...protocol.control import Events, EventView, LogChunk, Logs
 from ..contain.usertree import reader_for
 from ..layout import rank_log, rank_log_name, user_attempt_dir
-from ..ranklogs.logread import log_chunks_of
+from ..ranklogs.logread import RanksOf, log_chunks_of
 from ..store.journal import Journal
 from ..store.records import Job
 
@@ -30,10 +30,11 @@ def log_path(state_dir: Path, job: Job, attempt: int, rank: int) -> Path:
     return user_attempt_dir(state_dir, job.owner_uid, job.id, attempt) / rank_log_name(rank)
 
 
-async def log_chunks(state_dir: Path, job: Job, req: Logs) -> AsyncIterator[LogChunk]:
-    """The job's rank logs as `req` asks (see `logread`), following its attempts with `follow`."""
+async def log_chunks(state_dir: Path, job: Job, req: Logs, ranks_of: RanksOf) -> AsyncIterator[LogChunk]:
+    """The job's rank logs as `req` asks (see `logread`), following its attempts with `follow`;
+    `ranks_of`: the global ranks this daemon runs in an attempt (all of them, unless `req` names some)."""
     async for chunk in log_chunks_of(job, req, functools.partial(log_path, state_dir),
-                                     functools.partial(reader_for, state_dir, job.owner_uid)):
+                                     functools.partial(reader_for, state_dir, job.owner_uid), ranks_of):
         yield chunk
 
 

@@ -49,7 +49,7 @@ from ...protocol.agent import (
     NodeRecord,
 )
 from ...protocol.limits import clip_text
-from ...protocol.nodes import NodeView, parse_endpoint, parse_nnodes, rank_layout
+from ...protocol.nodes import UNKNOWN, NodeView, parse_endpoint, parse_nnodes, rank_layout
 from ...protocol.spec import JobSpec
 from ..contain.portfence import Fence, PortOwner, unfence
 from ..run.rendezvous import Rendezvous, bound, close_rendezvous, fenced_listen, open_rendezvous
@@ -66,6 +66,7 @@ START_TIMEOUT = 60.0  # the agent's start and its store (an interpreter importin
 SETTLE = 15.0  # seconds a local endpoint bound by another ddpd daemon may take to reach its agent
 SETTLE_INTERVAL = 0.2
 FINAL = ("succeeded", "failed", "cancelled", "timed_out")
+ENDED = (*FINAL, "stopped", "preempted", "lost", UNKNOWN)  # a node in one of these writes no more in this round
 
 __all__ = ["NodeError", "NodeLayout", "NodeRecord", "NodeSession"]
 
@@ -319,8 +320,9 @@ class NodeSession:
 
     async def close(self, state: str, final: bool = True) -> None:
         """The job ended here (`final`; else it goes back to the queue and will join again): say so,
-        close the rendezvous if it ended (torchrun's shutdown), and when serving it, keep the store
-        up until every node has said it ended (at most keep_alive); then end the agent."""
+        close the rendezvous if it ended (torchrun's shutdown) and read how the other nodes ended
+        (`_last_reads`); then end the agent. A node whose end this daemon did not read is left
+        "unknown" in the job view, never as it was last seen."""
         try:
             await self.publish(state)
             if self.agent is not None and final:
@@ -329,16 +331,48 @@ class NodeSession:
                     assert isinstance(reply, AgentDone)
                 except (NodeError, TimeoutError):
                     log.warning("nodes.shutdown_failed")
-            if self.serving and self.formed and self.layout is not None:
-                with anyio.move_on_after(self.keep_alive):
-                    while not all(r.state in FINAL for r in self.records.values()):
-                        await anyio.sleep(self.interval)
-                        verdict = await self.poll(time.monotonic())
-                        if verdict is not None and verdict.kind in ("lost", "unreachable"):
-                            break
+            if final and self.formed and self.layout is not None:
+                await self._last_reads()
         finally:
             with anyio.CancelScope(shield=True):
                 if self.agent is not None:
                     await self.agent.close()
                 await unfence(self.fence)
             self.agent, self.fence, self.formed = None, None, False
+            self._unknown()
+
+    async def _last_reads(self) -> None:
+        """Read the nodes' records until each says how it ended, for at most keep_alive, or until the
+        store stops answering. The daemon serving the store keeps it up until every other node has
+        read those ends too: until each one's heartbeat moved after they had all ended (each beat
+        comes with a read of the records). The others read twice more once they saw every end."""
+        assert self.layout is not None
+        nodes = range(self.layout.nnodes)
+        peers = [n for n in nodes if n != self.layout.node_rank]
+        seen: dict[int, int] | None = None  # the peers' counters when all had ended (serving)
+        extra = 2
+        with anyio.move_on_after(self.keep_alive):
+            while True:
+                answered = None if self.watch_state is None else self.watch_state.last_answer
+                await self.poll(time.monotonic())
+                watch = self.watch_state
+                if watch is None or watch.last_answer == answered:  # the store did not answer: it is gone
+                    break
+                if all(n in self.records and self.records[n].state in ENDED for n in nodes):
+                    if not self.serving:
+                        extra -= 1
+                        if extra < 0:
+                            break
+                    elif seen is None:
+                        seen = {n: watch.last_value.get(n, -1) for n in peers}
+                    elif all(watch.last_value.get(n, -1) != seen[n] for n in peers):
+                        break
+                await anyio.sleep(self.interval)
+
+    def _unknown(self) -> None:
+        """This daemon reads no more: another node that did not say how it ended is "unknown"."""
+        own = None if self.layout is None else self.layout.node_rank
+        for n, record in self.records.items():
+            if n != own and record.state not in ENDED:
+                record.state = UNKNOWN
+        self._view()

@@ -336,7 +336,7 @@ class Scheduler:
         try:
             await self._attempt_loop(job, timeouts, nodes)
         finally:
-            if nodes is not None:
+            if nodes is not None:  # (after the end's own close above: nothing more to do)
                 with anyio.CancelScope(shield=True):
                     final = job.state.final
                     await nodes.close(job.state.value.lower() if final else "stopped", final=final)
@@ -379,6 +379,10 @@ class Scheduler:
                 return
             if new is JobState.RESTARTING:
                 continue
+            if nodes is not None:  # the other nodes' ends read first: a `wait` returns with the final node table
+                with anyio.CancelScope(shield=True):
+                    await nodes.close(job.state.value.lower())
+                await self.journal.save_job(job)
             await self._ended(job)
             return
 

@@ -8,9 +8,11 @@ from the stream's index (`logindex`). Sources are merged by stamp: a run goes ou
 that still has unread bytes could hold an earlier one (each source's stamps only go forward), so a
 source holds at most one read (LOG_CHUNK) in memory.
 
-`--tail N` starts each stream at its last N lines (read backwards at most TAIL_BYTES); with both
-streams, a first pass over those lines keeps the last N of the merged order. `--since T` starts each
-stream at the index entry before the first stamped at or after T and drops the runs stamped before.
+Without a rank set, the ranks are those this daemon runs in the attempt (`RanksOf`: a multi-node
+job's global ranks on this node, which a follower takes in as they start). `--tail N` starts each
+stream at its last N lines (read backwards at most TAIL_BYTES); with both streams, a first pass over
+those lines keeps the last N of the merged order. `--since T` starts each stream at the index entry
+before the first stamped at or after T and drops the runs stamped before.
 Each rotation is told in `Job.log_cuts` before the live log is emptied: a source that sees a new one
 after a read drops that read and goes on in the new backup at the bytes it had reached, so a
 follower misses nothing of a rotation unless it was more than one rotation behind (then it goes on
@@ -23,7 +25,7 @@ from __future__ import annotations
 import codecs
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,7 @@ FOLLOW_INTERVAL = 0.2
 ORDER = {"stdout": 0, "stderr": 1}
 
 PathOf = Callable[[Job, int, int], Path]  # (job, attempt, rank) -> the rank's stdout log
+RanksOf = Callable[[int], Awaitable[list[int]]]  # attempt -> the global ranks this daemon runs (or ran) in it
 OpenerOf = Callable[[str], Opener | None]  # a path -> how to open it safely (None: files.open_job_file)
 
 
@@ -217,35 +220,53 @@ async def keep_last(group: list[Source], n: int) -> None:
         src.pos = min((pos for _, o, pos in kept if o == order), default=ends[order])
 
 
-async def log_chunks_of(job: Job, req: Logs, path_of: PathOf, opener_of: OpenerOf) -> AsyncIterator[LogChunk]:
-    """The chunks of a `logs` request (`req` checked against the job by the caller)."""
+async def log_chunks_of(job: Job, req: Logs, path_of: PathOf, opener_of: OpenerOf,
+                        ranks_of: RanksOf) -> AsyncIterator[LogChunk]:
+    """The chunks of a `logs` request (`req` checked against the job by the caller): the ranks it
+    names, else every rank this daemon runs in the attempt (`ranks_of`); following the current
+    attempt, ranks that start later (a multi-node attempt's, once its nodes formed) join the stream."""
     attempt = req.attempt or job.attempt
-    ranks = req.ranks if req.ranks is not None else [req.rank] if req.rank is not None else range(job.spec.nproc)
+    asked = req.ranks if req.ranks is not None else [req.rank] if req.rank is not None else None
     streams = ("stdout", "stderr") if req.stream == "both" else (req.stream,)
     first = True
+    active: list[Source] = []
+    known: set[int] = set()
+
+    async def more() -> list[int]:
+        """The attempt's ranks not yet read."""
+        wanted = asked if asked is not None else await ranks_of(attempt)
+        return sorted(set(wanted) - known)
+
     while True:
-        active = sources(job, attempt, sorted(set(ranks)), streams, path_of, opener_of)
-        for src in active:
+        fresh = sources(job, attempt, await more(), streams, path_of, opener_of)
+        known.update(src.rank for src in fresh)
+        for src in fresh:
             await src.open()
             if first and req.tail is not None:
                 await src.seek_tail(req.tail)
             if req.since is not None:
                 await src.seek_since(req.since)
         if first and req.tail is not None and len(streams) == 2:
-            for i in range(0, len(active), 2):
-                await keep_last(active[i:i + 2], req.tail)
+            for i in range(0, len(fresh), 2):
+                await keep_last(fresh[i:i + 2], req.tail)
         first = False
-        async for chunk in _drain(job, req, attempt, active):
+        active.extend(fresh)
+        growing = more if req.follow and asked is None and attempt == job.attempt else None
+        async for chunk in _drain(job, req, attempt, active, growing, expecting=not known):
             yield chunk
         if req.follow and req.attempt is None and attempt != job.attempt:
-            attempt = job.attempt  # the job started (attempt 0 is the queue) or restarted: follow its new attempt
+            attempt, active, known = job.attempt, [], set()  # the job started (attempt 0 is the queue) or restarted
+            continue
+        if growing is not None and await more():
             continue
         return
 
 
-async def _drain(job: Job, req: Logs, attempt: int, active: list[Source]) -> AsyncIterator[LogChunk]:
+async def _drain(job: Job, req: Logs, attempt: int, active: list[Source],
+                 more: Callable[[], Awaitable[list[int]]] | None, expecting: bool) -> AsyncIterator[LogChunk]:
     """Read and send the sources in stamp order until they are read (not following), or until the job
-    ended or moved to another attempt (following)."""
+    ended, moved to another attempt or has ranks to read that `more` names (following); `expecting`:
+    no rank of the attempt is known yet (a follower waits for them even with no source)."""
     while True:
         done = job.finished.is_set() or attempt != job.attempt
         final = not req.follow or done
@@ -276,7 +297,9 @@ async def _drain(job: Job, req: Logs, attempt: int, active: list[Source]) -> Asy
                            time=round(stamp, 3))
         if ready or pending or any(src.queue for src in active):
             continue
-        if final or not active or (req.attempt is None and attempt != job.attempt):
+        if final or (not active and not expecting) or (req.attempt is None and attempt != job.attempt):
+            return
+        if more is not None and await more():
             return
         with anyio.move_on_after(FOLLOW_INTERVAL):
             await job.finished.wait()

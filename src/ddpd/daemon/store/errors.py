@@ -51,6 +51,12 @@ class NotFoundError(DaemonError):
     code = ErrorCode.NOT_FOUND
 
 
+class OtherNodeError(DaemonError):
+    """A rank of a multi-node job that runs on another node (the message names it and its daemon)."""
+
+    code = ErrorCode.OTHER_NODE
+
+
 class VersionMismatchError(DaemonError):
     """The client speaks another protocol version."""
 

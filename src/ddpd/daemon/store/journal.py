@@ -30,6 +30,7 @@ import structlog
 from ...protocol import JobSpec, JobState, RankState, check_job_transition, check_rank_transition
 from ...protocol.control import EventView, RootCause
 from ...protocol.limits import clip_text
+from ...protocol.nodes import NodeView
 from .bus import EventBus, Outbox
 from .errors import StorageError
 from .records import Job, Rank
@@ -350,6 +351,12 @@ class Journal:
             job.ranks = by_job.get(job.id, [])
         return jobs
 
+    async def attempt_ranks(self, job_id: str, attempt: int) -> list[int]:
+        """The global ranks an attempt started on this daemon, in order."""
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT rank FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank", (job_id, attempt)).fetchall())
+        return [int(r["rank"]) for r in rows]
+
     async def attempt_tokens(self, job_id: str, attempt: int) -> list[str]:
         """The marker tokens recorded for an attempt (its processes carry DDPD_ATTEMPT=job:attempt:token)."""
         rows = await self.db.run(lambda c: c.execute(
@@ -415,6 +422,7 @@ def job_row(job: Job) -> dict[str, Any]:
         "finished_at": job.finished_at, "reason": job.reason,
         "root_cause": None if job.root_cause is None else msgspec.json.encode(job.root_cause).decode(),
         "idempotency_key": job.idempotency_key,
+        "nodes": msgspec.json.encode(job.nodes).decode() if job.nodes else None,
     }
 
 
@@ -436,6 +444,16 @@ def _stored_spec(raw: str) -> tuple[JobSpec, str | None]:
         return JobSpec(), f"the stored spec no longer passes the spec's bounds: {clip_text(str(exc), 1000)}"
 
 
+def _stored_nodes(raw: str | None) -> list[NodeView]:
+    """A multi-node job's node table as it was last saved (none: not a multi-node job, or unreadable)."""
+    if raw is None:
+        return []
+    try:
+        return msgspec.json.decode(raw, type=list[NodeView])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return []
+
+
 def job_from_row(row: Any) -> Job:
     spec, unreadable = _stored_spec(row["spec"])
     job = Job(
@@ -444,7 +462,7 @@ def job_from_row(row: Any) -> Job:
         submitted_at=row["submitted_at"], attempt=row["attempt"], started_at=row["started_at"],
         finished_at=row["finished_at"], reason=row["reason"],
         root_cause=None if row["root_cause"] is None else msgspec.json.decode(row["root_cause"], type=RootCause),
-        idempotency_key=row["idempotency_key"],
+        idempotency_key=row["idempotency_key"], nodes=_stored_nodes(row["nodes"]),
     )
     if unreadable is not None and not job.state.final:  # never run a spec that is not the one submitted
         job.state, job.reason = JobState.FAILED, "spec_unreadable"

@@ -28,7 +28,7 @@ T = TypeVar("T")
 log = structlog.get_logger("ddpd")
 
 BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
-SCHEMA_VERSION = 5  # 4: the usage table (fair share); 5: ranks.replacements (hot replacement)
+SCHEMA_VERSION = 6  # 4: the usage table (fair share); 5: ranks.replacements (hot replacement); 6: jobs.nodes
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL,
     reason TEXT,
     root_cause TEXT,
-    idempotency_key TEXT
+    idempotency_key TEXT,
+    nodes TEXT
 );
 CREATE TABLE IF NOT EXISTS attempts (
     job_id TEXT NOT NULL,
@@ -99,7 +100,7 @@ CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 
 # columns added after the first release: (table, column, declaration)
 MIGRATIONS = (("jobs", "idempotency_key", "TEXT"), ("attempts", "cgroup", "TEXT"),
-              ("ranks", "replacements", "INTEGER NOT NULL DEFAULT 0"))
+              ("ranks", "replacements", "INTEGER NOT NULL DEFAULT 0"), ("jobs", "nodes", "TEXT"))
 # columns of the first release that nothing ever wrote or read, dropped from databases that have them
 RETIRED = (("attempts", "ended_at"), ("attempts", "root_cause"))
 INDEXES = """
