@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # workers halve the suite on a 2-core machine (tests that create users share one worker)
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test lint nftables unit bench bench-short bench-pool clean soak-preempt
+.PHONY: setup demo test lint nftables unit conformance bench bench-short bench-pool clean soak-preempt
 
 setup: $(VENV)/.installed
 
@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint nftables
+test: lint nftables $(VENV)/.conformance
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the port fences' tests need nftables (tests/adversarial/test_trust_boundary.py, test_port_fences.py):
@@ -38,6 +38,16 @@ nftables:
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
+
+# the conformance tier (tests/conformance, part of `make test`): real framework scripts (Lightning, HF
+# Trainer, accelerate, ignite, DCP, DataLoader workers, exit handlers, umask) under torchrun and under
+# ddpd, compared. Its frameworks are the `conformance` extra, pinned; TORCH_SPEC keeps torch as it is.
+conformance: $(VENV)/.conformance
+	$(BIN)/python -m pytest -q tests/conformance
+
+$(VENV)/.conformance: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev,conformance]' "$(TORCH_SPEC)"
+	touch $@
 
 # the browser tier (tests/browser): headless Chromium from Debian driven by Selenium; `make test`
 # skips it where no browser is installed
