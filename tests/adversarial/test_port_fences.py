@@ -160,15 +160,15 @@ async def test_a_fence_names_the_address_bound_and_the_same_port_elsewhere_is_no
         await wait_waiting_at_gate(d, job_id)
         store = (await d.client.status(job_id)).store_port
         assert store is not None
-        rules = fence_rules(job_id)
-        assert sorted(r.split(" meta skuid")[0] for r in rules) == sorted(
-            f"ip daddr 127.0.0.2 tcp dport {p}" for p in (port, store)), rules
         async with service_of(bob, "127.0.0.1", port):  # bob's own, beside ann's endpoint
             assert await reaches(bob, "127.0.0.1", port)
             assert await reaches(ann, "127.0.0.1", port)
         for p in (port, store):  # the job's endpoint and worker store: ann's alone
             assert not await reaches(bob, "127.0.0.2", p)
             assert await reaches(ann, "127.0.0.2", p)
+        rules = fence_rules(job_id)
+        assert sorted(r.split(" meta skuid")[0] for r in rules) == sorted(
+            f"ip daddr 127.0.0.2 tcp dport {p}" for p in (port, store)), rules
         gate.touch()
         done = await wait_done(d, job_id)
         assert done.state == "SUCCEEDED", done.root_cause
@@ -232,9 +232,9 @@ async def test_a_killed_daemons_rules_block_no_one_and_a_start_sweeps_what_other
             finally:
                 if d.proc.returncode is None:
                     d.proc.kill()
-            assert fence_rules(job_id) == [], fence_rules(job_id)  # gone with the daemon: no start needed
-            async with service_of(bob, "127.0.0.1", port):  # the port's next owner
+            async with service_of(bob, "127.0.0.1", port):  # the port's next owner, before any start
                 assert await reaches(bob, "127.0.0.1", port)
+            assert fence_rules(job_id) == [], fence_rules(job_id)  # gone with the daemon
 
             await anyio.to_thread.run_sync(leave_stale_rules, tag, d.proc.pid)
             assert ruleset().count(f" {STALE}/") == 2
@@ -260,10 +260,10 @@ async def test_without_a_working_fence_a_multinode_job_is_refused_and_a_one_node
     """Bug (issue 34, finding 3): without nft or CAP_NET_ADMIN a multi-node job ran with only a
     `job.port_unfenced` event, and another user's pickle in its rendezvous store ran as its owner."""
     async with running_daemon(short_tmp, prefix=NO_NET_ADMIN) as d:
-        unavailable = await d.wait_log(lambda e: e.get("event") == "fence.unavailable")
-        assert "CAP_NET_ADMIN" in unavailable["reason"], unavailable
         with pytest.raises(RemoteError, match=r"cannot fence job ports .*CAP_NET_ADMIN.*allow_unfenced = true"):
             await d.client.submit(d.spec(task="two-layer", nproc=1, steps=2, **multinode(free_port("127.0.0.1"))))
+        unavailable = await d.wait_log(lambda e: e.get("event") == "fence.unavailable")
+        assert "CAP_NET_ADMIN" in unavailable["reason"], unavailable
         view = await d.run(d.spec(task="two-layer", nproc=1, steps=2))
         assert view.state == JobState.SUCCEEDED, view.root_cause
         unfenced = [e.data for e in await events_of(d, view.id) if e.kind == "job.port_unfenced"]
