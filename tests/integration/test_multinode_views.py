@@ -3,11 +3,11 @@ torchrun recipe: both on 127.0.0.1) and in network namespaces of their own (see 
 
 On each node, every per-rank command addresses ranks by their global rank, as `status` lists them,
 and shows that node's ranks: `ddpctl logs` (all, `--rank`, `-f` during the run, `--since`,
-`--stream`), `ddpctl stacks` (all, `--rank`) and the same through the Python client. A rank of the
-other node gets `other_node`, naming the node, its host and its daemon's pid. Once the job ended,
-each node's table shows both nodes' final states. Bug: on the second node `ddpctl logs JOB` printed
-nothing, `--rank 2` answered `not_found`, and each node showed the other as `running` after both
-had succeeded.
+`--tail`, `--stream`), `ddpctl stacks` (all, `--rank`) and the same through the Python client. A
+rank of the other node gets `other_node`, naming the node, its host and its daemon's pid. Once the
+job ended, each node's table shows both nodes' final states. Bug: on the second node `ddpctl logs
+JOB` printed nothing, `--rank 2` answered `not_found`, and each node showed the other as `running`
+after both had succeeded.
 
 The script (`tests/scripts/node_lines.py`) holds its ranks at a gate file, so the test decides when
 they go on: no sleep orders anything here.
@@ -213,6 +213,8 @@ async def each_node_shows_its_ranks(tmp: Path, a: DaemonProc, b: DaemonProc, hos
             assert done.returncode == 0 and streams(out(done).splitlines()) == split[r], (out(done), err(done))
         done = await ddpctl(node.d, "logs", node.job, "--stream", "stderr")
         assert by_rank(out(done)) == {r: ([], [f"err rank {r}"]) for r in node.ranks}, out(done)
+        done = await ddpctl(node.d, "logs", node.job, "--tail", "1", "--stream", "stdout")
+        assert by_rank(out(done)) == {r: ([expected[r][-1]], []) for r in node.ranks}, out(done)
         # --since: from the first line after the gate, by the daemon's stamps (a stamp is within a tick
         # of when the line came: the lines before may share it)
         stamped = [c async for c in iterate(node.d.client.logs(node.job))]

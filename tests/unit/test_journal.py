@@ -21,6 +21,7 @@ from ddpd.daemon.store.journal import Journal
 from ddpd.daemon.store.records import Job, Rank
 from ddpd.daemon.store.state import SCHEMA_VERSION, StateDB
 from ddpd.protocol import JobSpec, JobState, RankState
+from ddpd.protocol.nodes import NodeView
 
 pytestmark = pytest.mark.anyio
 
@@ -93,6 +94,27 @@ async def test_a_stored_spec_beyond_todays_bounds_fails_its_job_instead_of_stopp
     assert loaded[ended.id].state is JobState.CANCELLED  # an ended job keeps its state
 
 
+async def test_a_multi_node_jobs_node_table_and_each_attempts_ranks_are_kept(journal: Journal, db: StateDB) -> None:
+    """The node table as the job ended (issue 38: `status` after a restart) and the global ranks each
+    attempt started here (what `logs --attempt N` reads); a table that no longer decodes is none."""
+    job = make_job()
+    await journal.create_job(job)
+    job.nodes = [NodeView(node_rank=0, host="10.0.0.1", daemon="a:1", state="succeeded", ranks=[0, 1]),
+                 NodeView(node_rank=1, host="10.0.0.2", daemon="b:2", state="unknown", ranks=[2, 3], local=True)]
+    job.attempt = 2
+    await journal.save_job(job)
+    for attempt, ranks in ((1, (0, 1)), (2, (2, 3))):
+        for r in ranks:
+            await journal.save_rank(job, Rank(rank=r, attempt=attempt))
+    loaded = await journal.load_job(job.id)
+    assert loaded is not None and loaded.nodes == job.nodes
+    assert [r.rank for r in loaded.ranks] == [2, 3]
+    assert await journal.attempt_ranks(job.id, 1) == [0, 1] and await journal.attempt_ranks(job.id, 3) == []
+    db.run_sync(lambda c: c.execute("UPDATE jobs SET nodes = '[{\"node_rank\": -1}]'"))
+    loaded = await journal.load_job(job.id)
+    assert loaded is not None and loaded.nodes == []
+
+
 async def test_delete_job_removes_every_row(journal: Journal, db: StateDB) -> None:
     job = make_job()
     await journal.create_job(job)
@@ -126,7 +148,7 @@ def test_migration_adds_the_idempotency_key(tmp_path: Path) -> None:
     db = StateDB(path)
     try:
         cols = {r[1] for r in db.run_sync(lambda c: c.execute("PRAGMA table_info(jobs)").fetchall())}
-        assert "idempotency_key" in cols
+        assert "idempotency_key" in cols and "nodes" in cols
         indexes = {r[1] for r in db.run_sync(lambda c: c.execute("PRAGMA index_list(jobs)").fetchall())}
         assert "jobs_idempotency" in indexes
     finally:

@@ -258,8 +258,9 @@ class NodeSession:
         for i, (beat, record) in enumerate(zip(polled.beats[:n], polled.records[:n], strict=False)):
             if beat is not None:
                 watch.beat(i, beat, now)
-            if record is not None:  # another machine's writing: ignored when bad
-                self.records[i] = record
+            known = self.records.get(i)
+            if record is not None and (known is None or known.state != "lost"):  # another machine's writing:
+                self.records[i] = record  # ignored when bad; a node this daemon found lost stays so this round
         if polled.failed is not None:
             watch.failed(clip_text(polled.failed))
         self._view()
@@ -363,9 +364,9 @@ class NodeSession:
                         extra -= 1
                         if extra < 0:
                             break
-                    elif seen is None:
-                        seen = {n: watch.last_value.get(n, -1) for n in peers}
-                    elif all(watch.last_value.get(n, -1) != seen[n] for n in peers):
+                    elif seen is None:  # (a node found lost reads nothing more: not waited for)
+                        seen = {n: watch.last_value.get(n, -1) for n in peers if self.records[n].state != "lost"}
+                    if seen is not None and all(watch.last_value.get(n, -1) != beat for n, beat in seen.items()):
                         break
                 await anyio.sleep(self.interval)
 
