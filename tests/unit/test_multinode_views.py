@@ -4,6 +4,7 @@ read from the rendezvous store, "unknown" where it was not read), on a fake rend
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -12,7 +13,9 @@ import pytest
 from rich.console import Console
 
 from ddpd.cli.render import job_detail
-from ddpd.cli.web.present import log_ranks
+from ddpd.cli.web.context import Web
+from ddpd.cli.web.data import JobDetail
+from ddpd.cli.web.present import environment, job_context, log_ranks
 from ddpd.daemon.multinode.elastic import NodeError
 from ddpd.daemon.multinode.nodes import NodeLayout, NodeSession
 from ddpd.daemon.multinode.placement import check_rank, ranks_in_memory
@@ -78,6 +81,10 @@ def test_status_and_the_web_page_say_which_ranks_this_daemon_shows() -> None:
     text = console.export_text()
     assert "unknown" in text and "1*" in text and "logs and stacks here: ranks 2-3" in text, text
     assert log_ranks(view) == [2, 3]
+    web = Web(client=None, hub=None, token="t", env=environment(), viewer=0)  # type: ignore[arg-type]
+    page = web.render("job.html", **job_context(JobDetail(view, None), 1.0, 0))
+    assert re.findall(r'<option value="(\d*)"', page) == ["", "2", "3"]  # the log view: all, or this node's
+    assert '<span class="state s-unknown">unknown</span>' in page and "10.0.0.1" in page
     assert log_ranks(JobView(id="j2", name="", state="RUNNING", owner_uid=0, submitted_at=0.0,
                              spec=JobSpec(nproc=3))) == [0, 1, 2]
 
