@@ -116,10 +116,17 @@ def public_tmp() -> Iterator[Path]:
         yield path
 
 
+def box_config(base: Path, *lines: str) -> Path:
+    """The daemon's config; without nftables its multi-node jobs run only where the operator allows
+    them unfenced (test_port_fences proves the refusal), so these tests allow them there."""
+    config = base / "ddpd.toml"
+    config.write_text("\n".join([*lines, *([] if FENCED else ["allow_unfenced = true"]), ""]))
+    return config
+
+
 @asynccontextmanager
 async def shared_box(base: Path) -> AsyncIterator[DaemonProc]:
-    config = base / "ddpd.toml"
-    config.write_text('socket_mode = "0666"\n')
+    config = box_config(base, 'socket_mode = "0666"')
     async with running_daemon(base, "--config", str(config), "--gpus", "0") as d:
         yield d
 
@@ -331,7 +338,8 @@ async def test_two_daemons_on_one_host_form_one_job_and_another_users_port_is_re
     (public_tmp / "b").mkdir()
     kw: dict[str, Any] = {"nnodes": "2", "nproc": 1, "rdzv_endpoint": f"127.0.0.1:{port}", "rdzv_id": "onehost",
                           "rdzv_keep_alive": 3.0, "steps": 20, "env": {"GLOO_SOCKET_IFNAME": "lo"}}
-    async with running_daemon(public_tmp / "a") as a, running_daemon(public_tmp / "b") as b:
+    async with running_daemon(public_tmp / "a", "--config", str(box_config(public_tmp / "a"))) as a, \
+            running_daemon(public_tmp / "b", "--config", str(box_config(public_tmp / "b"))) as b:
         ja = await a.client.submit(a.spec(**kw))
         await a.wait_log(lambda e: e.get("event") == "nodes.opened", timeout=TIMEOUT)
         jb = await b.client.submit(b.spec(**kw))
