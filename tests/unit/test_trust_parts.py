@@ -82,6 +82,7 @@ def test_a_start_sweeps_what_killed_daemons_left_and_nothing_else(monkeypatch: p
         TAG: listing(TAG, False, (7, TAG, DEAD_PID)),  # this daemon's killed run, on a kernel without owner tables
         OTHER: listing(OTHER, True, (8, OTHER, DEAD_PID)),  # owned: its owner is alive whatever the pid says
         GONE: listing(GONE, False, (9, GONE, DEAD_PID)),  # a daemon that is gone
+        "ddpd-" + "d" * 12: listing("ddpd-" + "d" * 12, False),  # an idle live daemon's, on an older kernel
     })
     assert sweep(nft, TAG) == 4  # type: ignore[arg-type]
     assert nft.ran == ["delete rule inet ddpd output handle 3", "delete rule inet ddpd output handle 5",

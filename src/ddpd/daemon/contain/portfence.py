@@ -123,6 +123,8 @@ def sweep(nft: Nft, tag: str) -> int:
             continue
         rules = _rules(listing)
         stale = [h for h, (owner, pid) in rules.items() if owner == tag or not _daemon_alive(pid)]
+        if not stale and table != tag:
+            continue  # a live daemon's (an idle one's table has no rules)
         try:
             if table == tag or (table != TABLE_LEGACY and len(stale) == len(rules)):
                 nft.run(f"delete table inet {table}")
