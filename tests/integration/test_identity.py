@@ -95,8 +95,12 @@ async def test_ranks_run_as_the_submitter_in_their_environment(
     ann, bob = users
     python = wrapper(public_tmp)
     async with shared_daemon(public_tmp) as d:
-        job_id = await submit_as(ann, d, "--nproc", "2", "--python", python, "--env", "EXTRA_SETTING=pair",
-                                 "--", SHOW, MY_SETTING="hello")
+        umask = os.umask(0o027)  # ddpctl sends its shell's umask: the ranks run with it
+        try:
+            job_id = await submit_as(ann, d, "--nproc", "2", "--python", python, "--env", "EXTRA_SETTING=pair",
+                                     "--", SHOW, MY_SETTING="hello")
+        finally:
+            os.umask(umask)
         with anyio.fail_after(TIMEOUT):
             view = await d.client.wait(job_id)
         assert view.state == "SUCCEEDED", view.root_cause
@@ -108,7 +112,7 @@ async def test_ranks_run_as_the_submitter_in_their_environment(
         for rank in seen:
             assert (rank["uid"], rank["euid"], rank["gid"]) == (ann.uid, ann.uid, ann.gid)
             assert rank["groups"] == sorted(ann.groups)
-            assert rank["umask"] == 0o077
+            assert rank["umask"] == 0o027
             assert rank["env"] == {"HOME": ann.home, "USER": ann.name, "LOGNAME": ann.name, "SHELL": ann.shell,
                                    "MY_SETTING": "hello", "DAEMON_SETTING": None,
                                    "PYTHON_WRAPPER": python, "EXTRA_SETTING": "pair"}
