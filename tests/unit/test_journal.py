@@ -176,7 +176,7 @@ def test_migration_drops_the_attempt_columns_nothing_wrote(tmp_path: Path) -> No
         assert cols == ["job_id", "attempt", "pgid", "store_port", "token", "started_at", "cgroup"]
         rows = db.run_sync(lambda c: c.execute("SELECT job_id, attempt, pgid, token FROM attempts").fetchall())
         assert [tuple(r) for r in rows] == [("j1-abcd", 1, 42, "t")]
-        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION == 6
+        assert db.run_sync(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION == 7
         assert db.run_sync(lambda c: c.execute("SELECT count(*) FROM usage").fetchone()[0]) == 0  # added, empty
         # hot replacement's count per rank: added, 0 for the ranks already recorded
         assert db.run_sync(lambda c: c.execute("SELECT replacements FROM ranks").fetchall()[0][0]) == 0

@@ -64,6 +64,8 @@ def submit(idempotency_key: str | None, follow: bool, reconnect: float, socket_p
     click.echo(result.job_id)
     if result.existing:
         note(f"job {result.job_id} was already submitted with this idempotency key")
+    for notice in result.notices:
+        note(f"note: {notice}", "yellow")
     if spec.oversubscribe:
         _warn_oversubscribed(client, spec.nproc)
     if follow:
@@ -101,6 +103,8 @@ def resubmit(job_id: str, idempotency_key: str | None, socket_path: Path | None)
     note(f"resubmitted {result.of or job_id} as {result.job_id}")
     if result.existing:
         note(f"job {result.job_id} was already submitted with this idempotency key")
+    for notice in result.notices:
+        note(f"note: {notice}", "yellow")
 
 
 @cli.command()

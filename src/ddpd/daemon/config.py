@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -92,6 +93,12 @@ class Config:
     max_queued_per_user: int = 1_000
     max_gpus_per_user: int | None = None  # GPUs one user's running jobs may hold together; None: no limit
     priority_range: tuple[int, int] = (-1000, 1000)  # the band a job's priority must lie in
+    # priority above the default (0) is the operator's to grant (docs/usage.md, "Sharing the box"): the
+    # highest a user may ask for is the greatest of priority_ceiling, its own entry and its groups'
+    # entries; root, the daemon's own user and admin_group members are bounded by priority_range alone
+    priority_ceiling: int = 0
+    user_priority_ceilings: Mapping[str, int] = field(default_factory=dict)  # user name -> ceiling
+    group_priority_ceilings: Mapping[str, int] = field(default_factory=dict)  # group name -> ceiling of members
     max_kill_grace: float = 60.0  # a job's kill_grace at most (keep under the unit's TimeoutStopSec)
     # fair share and preemption (docs/usage.md, "Sharing the box")
     fairshare_half_life: float = 7 * 86400.0  # seconds for a user's recorded usage to halve; 0: no decay
@@ -104,6 +111,10 @@ class Config:
     # training thread hundreds of times a second) or "normal" (SCHED_OTHER); GPU jobs stay normal
     cpu_rank_policy: str = "batch"
     retention: float = 30 * 86400.0  # seconds an ended job (row, events, logs, checkpoints) is kept; 0: forever
+    # one user's history (docs/operations.md, "Limits and retention"): past either bound, that user's
+    # oldest ended jobs are retired (as `rm` does), never another user's; 0: no bound
+    max_history_per_user: int = 1_000  # ended jobs of one uid kept
+    max_history_bytes_per_user: int = 64 * 1024 * 1024  # bytes of the database they take (spec, events, ranks)
     max_connections: int = 256  # control connections open at once
     max_connections_per_user: int = 32  # of them one uid may hold (root and the admin group: a reserve too)
     idle_timeout: float = 600.0  # a control connection with no complete request for this long is closed
@@ -141,6 +152,9 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Priority = Annotated[int, msgspec.Meta(gt=-PRIORITY_LIMIT, lt=PRIORITY_LIMIT)]
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=7 * DAY)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=10_000_000)]
+Ceiling = Annotated[int, msgspec.Meta(ge=0, lt=PRIORITY_LIMIT)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Ceilings = Annotated[dict[Name, Ceiling], msgspec.Meta(max_length=10_000)]
 
 
 class DefaultsSchema(msgspec.Struct, forbid_unknown_fields=True):
@@ -183,8 +197,13 @@ class ConfigSchema(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     max_queued_per_user: Count | msgspec.UnsetType = msgspec.UNSET
     max_gpus_per_user: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | msgspec.UnsetType | None = msgspec.UNSET
     priority_range: tuple[Priority, Priority] | msgspec.UnsetType = msgspec.UNSET
+    priority_ceiling: Ceiling | msgspec.UnsetType = msgspec.UNSET
+    user_priority_ceilings: Ceilings | msgspec.UnsetType = msgspec.UNSET
+    group_priority_ceilings: Ceilings | msgspec.UnsetType = msgspec.UNSET
     max_kill_grace: Annotated[float, msgspec.Meta(gt=0, le=DAY)] | msgspec.UnsetType = msgspec.UNSET
     retention: Annotated[float, msgspec.Meta(ge=0, le=100 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
+    max_history_per_user: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] | msgspec.UnsetType = msgspec.UNSET
+    max_history_bytes_per_user: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] | msgspec.UnsetType = msgspec.UNSET
     fairshare_half_life: Annotated[float, msgspec.Meta(ge=0, le=10 * 365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
     preemptible_below: Priority | msgspec.UnsetType | None = msgspec.UNSET
     preempt_min_run: Annotated[float, msgspec.Meta(ge=0, le=365 * DAY)] | msgspec.UnsetType = msgspec.UNSET
@@ -248,6 +267,8 @@ def _plain(cfg: Config) -> dict[str, Any]:
             value = str(value)
         elif isinstance(value, tuple):
             value = list(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
         out[f.name] = value
     return out
 

@@ -130,6 +130,9 @@ class SubmitResult(msgspec.Struct):
     job_id: str
     existing: bool = False  # True: the idempotency key matched a job submitted before
     of: str | None = None  # a resubmit: the full id of the job whose spec was submitted again
+    # what the submitter should know, one sentence each (its history at its bounds: its oldest ended
+    # jobs are retired as new ones end); the job was accepted either way
+    notices: list[str] = []
 
 
 class RemoveResult(msgspec.Struct):

@@ -333,10 +333,10 @@ async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> Sub
     try:
         spec = check_spec(spec)
         await _check_submitter(ctx, spec, uid)
-        job, existing = await ctx.scheduler.submit(spec, uid, idempotency_key=key)
+        done = await ctx.scheduler.submit_noting(spec, uid, idempotency_key=key)
     except SpecError as exc:
         raise BadSpecError(str(exc)) from None
-    return SubmitResult(job_id=job.id, existing=existing)
+    return SubmitResult(job_id=done.job.id, existing=done.existing, notices=done.notices)
 
 
 async def _check_submitter(ctx: Context, spec: JobSpec, uid: int) -> None:

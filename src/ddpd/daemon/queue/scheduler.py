@@ -12,6 +12,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -40,17 +41,29 @@ from ..store.errors import NotRunnableError
 from ..store.journal import Journal
 from ..store.records import Job
 from . import decide
-from .admission import admit, check_key, check_limits
+from .admission import PathChecks, admit, check_key, check_limits, check_priority
 from .dependencies import Broken, Ready, kinds_of, resolve_after, states_of, verdict
 from .fairshare import FairShare
 from .gpuhealth import GpuHealth
 from .leftovers import kill_cgroup, kill_marked
 from .notifyhooks import Notifier
 from .resources import Resources
-from .retention import Retention
+from .retention import Retention, at_bounds, past_bounds
 from .table import JobTable
 
 log = structlog.get_logger("ddpd")
+
+MIB = 1024 * 1024
+RETIRED_NAMED = 10  # retired jobs named in a submit's notice (the rest counted)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A submit's outcome: the job, whether its owner's key named it before, and notices for the submitter."""
+
+    job: Job
+    existing: bool = False
+    notices: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -79,6 +92,8 @@ class Scheduler:
         self.since: dict[str, float] = {}  # running job id -> when its resources were taken (wall clock)
         self.preempting: dict[str, str] = {}  # running job id being preempted -> the job it makes room for
         self.notifier = Notifier(lambda: self.config, journal, subtree)  # each job's hooks, as its submitter
+        self.paths = PathChecks()  # a submit's paths, looked at as its submitter
+        self._retiring = anyio.Lock()  # one user's history retired at a time (by the retention task or a submit)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -129,16 +144,25 @@ class Scheduler:
 
     async def submit(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Check, save, then publish a job; (job, True) when the owner's key names a job submitted before."""
+        done = await self.submit_noting(spec, owner_uid, idempotency_key)
+        return done.job, done.existing
+
+    async def submit_noting(self, spec: JobSpec, owner_uid: int, idempotency_key: str | None = None) -> Submitted:
+        """`submit`, with what the submitter should be told (its history at its bounds)."""
         key = None if idempotency_key is None else (owner_uid, check_key(idempotency_key))
         if key is not None and (existing := await self.table.by_key(*key)) is not None:
-            return existing, True
-        spec = await resolve_after(await admit(spec, self.config, self.resources), self.table)
+            return Submitted(existing, True)
+        spec = await admit(spec, self.config, self.resources)
+        await check_priority(spec, self.config, owner_uid)
+        await self.paths.check(spec, owner_uid)
+        spec = await resolve_after(spec, self.table)
         try:
             await anyio.to_thread.run_sync(check_endpoint, spec, owner_uid)  # free, where this daemon serves it
             if is_multinode(spec) and not self.config.allow_unfenced:  # its ports fenced, or no such job (portfence)
                 await anyio.to_thread.run_sync(require_fences, daemon_tag(self.config.state_dir))
         except (NodeError, FenceError) as exc:
             raise SpecError("rdzv_endpoint", str(exc).removeprefix("rdzv_endpoint: ")) from None
+        notices = await self._history_notices(owner_uid)
         while key is not None and (pending := self._pending_keys.get(key)) is not None:
             await pending.wait()  # the same key is being saved: its outcome decides
         done = anyio.Event()
@@ -146,7 +170,7 @@ class Scheduler:
             self._pending_keys[key] = done  # from here until saved, a submit with this key waits
         try:
             if key is not None and (existing := await self.table.by_key(*key)) is not None:
-                return existing, True
+                return Submitted(existing, True)
             check_limits(self.config, self.unended.values(), owner_uid)
             seq = self.table.next_seq()
             job = Job(
@@ -170,7 +194,7 @@ class Scheduler:
         await self.journal.event(job, "job.submitted", owner_uid=owner_uid, nproc=spec.nproc,
                                  task=spec.task, script=spec.script, **shape)
         self._notify()
-        return job, False
+        return Submitted(job, False, notices)
 
     async def cancel(self, job: Job, reason: str, force: bool) -> None:
         if job.state.final:
@@ -200,7 +224,7 @@ class Scheduler:
     # -- the scheduling loop ---------------------------------------------------------------
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
-        tg.start_soon(self.retention.run, self._prune)
+        tg.start_soon(self.retention.run, self._prune, self._retire_history)
         self._tg = tg
         tg.start_soon(self.health.run)
         tg.start_soon(self.health.watch_idle)
@@ -432,6 +456,8 @@ class Scheduler:
             self.notifier.post(job, "ended")
         finally:
             job.finished.set()  # after the summary event: a `wait` returns once every event of the job is out
+        await self.journal.count_stored(job.id)
+        self.retention.ended(job.owner_uid)  # its owner's history, against its bounds
 
     # -- history and retention ---------------------------------------------------------------
 
@@ -441,16 +467,71 @@ class Scheduler:
             await self._delete(job)
             await self.journal.event(None, "job.pruned", pruned=job_id, finished_at=job.finished_at)
 
-    async def _delete(self, job: Job) -> None:
-        """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was."""
-        await self.journal.delete_job(job.id)
-        self.table.forget(job, deleted=True)
+    async def _delete(self, job: Job) -> bool:
+        """A job's rows, then its directory (logs, checkpoints); StorageError keeps everything as it was.
+        Whether its rows were there (False: removed meanwhile by another path)."""
+        gone = await self.journal.delete_job(job.id)
+        self.table.forget(job, deleted=gone)
         path = job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
         try:
             await anyio.to_thread.run_sync(remove_job_dir, self.config.state_dir, job.owner_uid, job.id)
         except OSError as exc:  # a symlink or a foreign directory planted on the way: left, reported
             log.warning("job.files_not_removed", job_id=job.id, error=str(exc))
+        return gone
+
+    def _history_bounded(self) -> bool:
+        return bool(self.config.max_history_per_user or self.config.max_history_bytes_per_user)
+
+    async def _retire_history(self, uid: int) -> list[str]:
+        """Retire `uid`'s oldest ended jobs past its history bounds (`retention.past_bounds`), as `rm`
+        does; their ids. The live `job.pruned` of each (reason `history`) and one `job.history_retired`
+        on the user's newest ended job, which stays: nothing is recorded outside the user's own jobs."""
+        if not self._history_bounded():
+            return []
+        cfg = self.config
+        async with self._retiring:
+            held = await self.journal.history_of(uid)
+            awaited = {dep for j in self.unended.values() for dep in dependency_ids(j.spec)}
+            retired: list[str] = []
+            for job_id in past_bounds(held, cfg.max_history_per_user, cfg.max_history_bytes_per_user, awaited):
+                job = await self.lookup(job_id)
+                if job is None or job.owner_uid != uid or not job.state.final or not await self._delete(job):
+                    continue
+                retired.append(job_id)
+                await self.journal.event(None, "job.pruned", persist=False, pruned=job_id, reason="history")
+        newest = await self.lookup(held[-1][0]) if retired else None
+        if newest is not None:
+            await self.journal.event(newest, "job.history_retired", owner_uid=uid, retired=retired[:100],
+                                     count=len(retired), max_history_per_user=cfg.max_history_per_user,
+                                     max_history_bytes_per_user=cfg.max_history_bytes_per_user)
+        return retired
+
+    async def _history_notices(self, uid: int) -> list[str]:
+        """Before a new job of `uid` is saved: what is past its history bounds is retired now (a backlog
+        the retention task has not reached: the bound holds at every submit), and the submitter is told
+        when its history is at a bound."""
+        if not self._history_bounded():
+            return []
+        cfg = self.config
+        count, size = await self.journal.history_totals(uid)
+        retired: list[str] = []
+        if at_bounds(count, size, cfg.max_history_per_user, cfg.max_history_bytes_per_user, past=True):
+            retired = await self._retire_history(uid)
+            count, size = await self.journal.history_totals(uid)
+        if not at_bounds(count, size, cfg.max_history_per_user, cfg.max_history_bytes_per_user):
+            return []
+        bounds = [f"max_history_per_user = {cfg.max_history_per_user}"] if cfg.max_history_per_user else []
+        if cfg.max_history_bytes_per_user:
+            bounds.append(f"max_history_bytes_per_user = {_size(cfg.max_history_bytes_per_user)}")
+        text = (f"your history is at its bound: {count} ended jobs kept, {_size(size)} ({', '.join(bounds)}); "
+                "as your jobs end, your oldest ended jobs are retired with their logs and checkpoints "
+                "(`ddpctl rm` chooses which go first)")
+        if retired:
+            named = ", ".join(retired[:RETIRED_NAMED])
+            more = f" and {len(retired) - RETIRED_NAMED} more" if len(retired) > RETIRED_NAMED else ""
+            text += f"; retired now: {named}{more}"
+        return [text]
 
     # -- shutdown --------------------------------------------------------------------------
 
@@ -499,6 +580,10 @@ class Scheduler:
         if killed:
             await self.journal.event(job, "job.leftover_killed", pids=killed, reason="daemon_restart")
         return killed
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.3g} MiB" if n >= MIB else f"{n / 1024:.3g} KiB"
 
 
 def _rc(outcome: Outcome) -> str | None:

@@ -34,7 +34,7 @@ from ...protocol.nodes import NodeView
 from .bus import EventBus, Outbox
 from .errors import StorageError
 from .records import Job, Rank
-from .state import StateDB
+from .state import STORED_BYTES, StateDB
 
 __all__ = ["EventBus", "Journal", "StorageError"]
 
@@ -235,6 +235,11 @@ class Journal:
 
         await self._write("usage", fn)
 
+    async def count_stored(self, job_id: str) -> None:
+        """Record what an ended job's record takes in the database (`jobs.stored_bytes`: its history bound)."""
+        await self._write("stored_bytes", lambda c: c.execute(
+            f"UPDATE jobs SET stored_bytes = ({STORED_BYTES}) WHERE id = ?", (job_id,)), job_id)
+
     # -- writes a client waits on: they raise StorageError ---------------------------------------
 
     async def create_job(self, job: Job) -> None:
@@ -248,21 +253,24 @@ class Journal:
             log.error("journal.submit_failed", job_id=job.id, error=str(exc))
             raise StorageError(f"the job could not be saved ({exc}); no job was created, retry later") from None
 
-    async def delete_job(self, job_id: str) -> None:
-        """Remove a job's row, attempts, ranks and events in one transaction."""
-        def fn(c: sqlite3.Connection) -> None:
+    async def delete_job(self, job_id: str) -> bool:
+        """Remove a job's row, attempts, ranks and events in one transaction; whether it had a row (a
+        job removed twice at once, by `rm` and by its retirement, is removed once)."""
+        def fn(c: sqlite3.Connection) -> bool:
             c.execute("BEGIN IMMEDIATE")
             try:
                 for table, col in (("events", "job_id"), ("ranks", "job_id"), ("attempts", "job_id"),
-                                   ("curves", "job_id"), ("jobs", "id")):
+                                   ("curves", "job_id")):
                     c.execute(f"DELETE FROM {table} WHERE {col} = ?", (job_id,))
+                had = c.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount > 0
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
             c.execute("COMMIT")
+            return had
 
         try:
-            await self.db.run(fn)
+            return await self.db.run(fn)
         except sqlite3.Error as exc:
             raise StorageError(f"job {job_id} could not be removed ({exc}); retry later") from None
 
@@ -335,6 +343,21 @@ class Journal:
             f"SELECT id FROM jobs WHERE state IN {_FINAL} AND finished_at < ? ORDER BY finished_at LIMIT ?",
             (cutoff, limit)).fetchall())
         return [str(r["id"]) for r in rows]
+
+    async def history_totals(self, owner_uid: int) -> tuple[int, int]:
+        """One user's ended jobs on record: how many, and the bytes their records take."""
+        rows = await self.db.run(lambda c: c.execute(
+            f"SELECT count(*) AS n, total(coalesce(stored_bytes, length(CAST(spec AS BLOB)))) AS b FROM jobs "
+            f"WHERE owner_uid = ? AND finished_at IS NOT NULL AND state IN {_FINAL}", (owner_uid,)).fetchall())
+        return int(rows[0]["n"]), int(rows[0]["b"])
+
+    async def history_of(self, owner_uid: int) -> list[tuple[str, int]]:
+        """One user's ended jobs, oldest first: (id, the bytes its record takes)."""
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT id, coalesce(stored_bytes, length(CAST(spec AS BLOB))) AS b FROM jobs "
+            f"WHERE owner_uid = ? AND finished_at IS NOT NULL AND state IN {_FINAL} ORDER BY finished_at, seq",
+            (owner_uid,)).fetchall())
+        return [(str(r["id"]), int(r["b"])) for r in rows]
 
     async def _with_ranks(self, jobs: list[Job]) -> list[Job]:
         """Fill each job's ranks of its latest attempt, in one query."""

@@ -28,7 +28,8 @@ T = TypeVar("T")
 log = structlog.get_logger("ddpd")
 
 BUSY_TIMEOUT = 2.0  # seconds a statement waits for another writer's lock before it fails
-SCHEMA_VERSION = 6  # 4: the usage table (fair share); 5: ranks.replacements (hot replacement); 6: jobs.nodes
+SCHEMA_VERSION = 7  # 4: the usage table (fair share); 5: ranks.replacements (hot replacement); 6: jobs.nodes;
+# 7: jobs.stored_bytes (each user's history bounds)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -46,7 +47,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     reason TEXT,
     root_cause TEXT,
     idempotency_key TEXT,
-    nodes TEXT
+    nodes TEXT,
+    stored_bytes INTEGER
 );
 CREATE TABLE IF NOT EXISTS attempts (
     job_id TEXT NOT NULL,
@@ -100,13 +102,27 @@ CREATE INDEX IF NOT EXISTS ranks_job ON ranks(job_id, attempt);
 
 # columns added after the first release: (table, column, declaration)
 MIGRATIONS = (("jobs", "idempotency_key", "TEXT"), ("attempts", "cgroup", "TEXT"),
-              ("ranks", "replacements", "INTEGER NOT NULL DEFAULT 0"), ("jobs", "nodes", "TEXT"))
+              ("ranks", "replacements", "INTEGER NOT NULL DEFAULT 0"), ("jobs", "nodes", "TEXT"),
+              ("jobs", "stored_bytes", "INTEGER"))
 # columns of the first release that nothing ever wrote or read, dropped from databases that have them
 RETIRED = (("attempts", "ended_at"), ("attempts", "root_cause"))
 INDEXES = """
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner_uid, idempotency_key);
 CREATE INDEX IF NOT EXISTS jobs_finished ON jobs(finished_at);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
+CREATE INDEX IF NOT EXISTS jobs_owner_finished ON jobs(owner_uid, finished_at);
+"""
+
+# the bytes a job's record takes in the database (its row, events, ranks, attempts and curve), as
+# `jobs.stored_bytes` holds them once it ended: what each user's history bound counts
+STORED_BYTES = """
+length(CAST(spec AS BLOB)) + length(CAST(name AS BLOB)) + coalesce(length(CAST(reason AS BLOB)), 0)
++ coalesce(length(root_cause), 0) + coalesce(length(nodes), 0) + coalesce(length(idempotency_key), 0) + 128
++ coalesce((SELECT sum(length(CAST(data AS BLOB)) + length(kind) + 48) FROM events WHERE job_id = jobs.id), 0)
++ coalesce((SELECT sum(coalesce(length(log), 0) + coalesce(length(signal), 0) + 96) FROM ranks
+            WHERE job_id = jobs.id), 0)
++ coalesce((SELECT count(*) * 64 FROM attempts WHERE job_id = jobs.id), 0)
++ coalesce((SELECT length(data) FROM curves WHERE job_id = jobs.id), 0)
 """
 
 
@@ -174,6 +190,8 @@ def migrate(conn: sqlite3.Connection) -> None:
     for table, column, decl in MIGRATIONS:
         if column not in _columns(conn, table):
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            if column == "stored_bytes":  # the ended jobs of before: counted once, here
+                conn.execute(f"UPDATE jobs SET stored_bytes = ({STORED_BYTES}) WHERE finished_at IS NOT NULL")
     for table, column in RETIRED:
         if column in _columns(conn, table):
             conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")

@@ -1,0 +1,124 @@
+"""Each user's history within its bounds (issue 34, finding 6): the oldest of that user's ended jobs are
+retired (rows, events, files), never another user's, never the newest or one a queued job waits for;
+a submit at the bound is told so, and one past it (a backlog) retires before the new job is saved."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from ddpd.daemon.config import Config, ConfigError, load_config
+from ddpd.daemon.queue.resources import Resources
+from ddpd.daemon.queue.retention import at_bounds, past_bounds
+from ddpd.daemon.queue.scheduler import Scheduler
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.journal import Journal
+from ddpd.daemon.store.state import StateDB
+from ddpd.protocol import JobSpec, JobState
+
+pytestmark = pytest.mark.anyio
+
+SPEC = JobSpec(task="two-layer", nproc=1)
+ANN, BOB = 1000, 1001
+
+
+def test_past_bounds_takes_the_oldest_first_and_never_the_newest() -> None:
+    held = [("a", 10), ("b", 10), ("c", 10), ("d", 10)]
+    assert past_bounds(held, 2, 0, set()) == ["a", "b"]
+    assert past_bounds(held, 0, 25, set()) == ["a", "b"]
+    assert past_bounds(held, 3, 15, set()) == ["a", "b", "c"]  # bytes: down to the newest alone
+    assert past_bounds(held, 2, 0, {"a"}) == ["b", "c"]  # one a queued job waits for stays (and counts)
+    assert past_bounds([("big", 100)], 0, 10, set()) == []  # the newest stays, whatever it weighs
+    assert past_bounds(held, 0, 0, set()) == [] and past_bounds(held, 4, 40, set()) == []
+    assert at_bounds(4, 40, 4, 0) and not at_bounds(4, 40, 4, 0, past=True) and at_bounds(5, 0, 4, 0, past=True)
+    assert not at_bounds(3, 39, 4, 40) and at_bounds(3, 40, 4, 40)
+
+
+def test_the_bounds_are_config_keys_with_ranges(tmp_path: Path) -> None:
+    cfg = Config()
+    assert (cfg.max_history_per_user, cfg.max_history_bytes_per_user) == (1000, 64 * 1024 * 1024)
+    path = tmp_path / "ddpd.toml"
+    path.write_text("max_history_per_user = 5\nmax_history_bytes_per_user = 0\n")
+    assert (load_config(path).max_history_per_user, load_config(path).max_history_bytes_per_user) == (5, 0)
+    path.write_text("max_history_per_user = -1\n")
+    with pytest.raises(ConfigError, match="max_history_per_user"):
+        load_config(path)
+
+
+@pytest.fixture
+async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
+    db = StateDB(tmp_path / "ddpd.db")
+    config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=3)
+    s = Scheduler(config, Journal(db, EventBus()), Resources(0, 4))
+    s.accepting = False  # no worker here: the queue starts nothing
+    yield s
+    db.close()
+
+
+async def ended(sched: Scheduler, uid: int, **kw: object) -> str:
+    job, _ = await sched.submit(JobSpec(task="two-layer", nproc=1, **kw), uid)  # type: ignore[arg-type]
+    await sched.cancel(job, "test", force=False)  # a cancelled job counts as any ended one
+    return job.id
+
+
+async def test_a_users_oldest_ended_jobs_are_retired_never_another_users(sched: Scheduler) -> None:
+    bobs = [await ended(sched, BOB) for _ in range(3)]
+    events = sched.journal.bus.subscribe()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sched.run, tg)
+        anns = [await ended(sched, ANN) for _ in range(5)]
+        with anyio.fail_after(10):  # each end of hers wakes the retention task: her fifth one's retirement
+            async for event in events:
+                if event.kind == "job.history_retired" and anns[1] in event.data["retired"]:
+                    break
+        tg.cancel_scope.cancel()
+    assert [j for j, _ in await sched.journal.history_of(ANN)] == anns[-3:]
+    assert [j for j, _ in await sched.journal.history_of(BOB)] == bobs
+    for gone in anns[:2]:
+        assert await sched.lookup(gone) is None and await sched.journal.list_events(gone, 0, 10) == []
+    assert sched.state_counts()[JobState.CANCELLED] == 6
+    retired = [e for e in await sched.journal.list_events(None, 0, 1000) if e.kind == "job.history_retired"]
+    assert retired and all(e.job_id in anns for e in retired)  # recorded on her own kept job, nowhere else
+    assert not [e for e in await sched.journal.list_events(None, 0, 1000) if e.job_id is None]
+
+
+async def test_a_submit_at_the_bound_is_told_and_one_past_it_retires_first(sched: Scheduler) -> None:
+    first = await sched.submit_noting(SPEC, ANN)
+    assert first.notices == []
+    await sched.cancel(first.job, "test", force=False)
+    ids = [first.job.id]
+    for _ in range(3):  # no retention task runs here: her ends are retired only by her submits
+        ids.append(await ended(sched, ANN))
+    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids  # past the bound (3) by one
+    done = await sched.submit_noting(SPEC, ANN)
+    assert len(done.notices) == 1, done.notices
+    notice = done.notices[0]
+    assert "your history is at its bound: 3 ended jobs kept" in notice and "max_history_per_user = 3" in notice
+    assert notice.endswith(f"retired now: {ids[0]}"), notice
+    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[1:]
+    assert (await sched.submit_noting(SPEC, BOB)).notices == []
+
+
+async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> None:
+    db = StateDB(tmp_path / "ddpd.db")
+    config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=0,
+                    max_history_bytes_per_user=3 * 2200)
+    sched = Scheduler(config, Journal(db, EventBus()), Resources(0, 4))
+    sched.accepting = False
+    try:
+        big = {"environ": {"PAD": "x" * 1500}}
+        kept = await ended(sched, ANN, **big)
+        waiting, _ = await sched.submit(JobSpec(task="two-layer", nproc=1, after_any=[kept]), ANN)
+        others = [await ended(sched, ANN, **big) for _ in range(4)]
+        sizes = dict(await sched.journal.history_of(ANN))
+        assert all(1500 < size <= 2200 for size in sizes.values()), sizes  # the padded environment, counted
+        done = await sched.submit_noting(SPEC, ANN)
+        left = await sched.journal.history_of(ANN)
+        assert [j for j, _ in left] == [kept, others[-2], others[-1]]  # the one waited for stays, and counts
+        assert sum(size for _, size in left) <= 3 * 2200 and done.notices == []  # within the bound now
+        assert waiting.state is JobState.QUEUED
+    finally:
+        db.close()
