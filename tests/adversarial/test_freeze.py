@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -32,7 +31,7 @@ from ddpd.protocol import JobSpec, JobState, Timeouts
 from ..conftest import REPO, DaemonProc
 from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.userpython import USER_PYTHON
-from .test_shared_box import pings, shared_box, user_env
+from .test_shared_box import pings, shared_box, submit_as, user_env
 
 pytestmark = [
     pytest.mark.anyio,
@@ -67,19 +66,6 @@ while True:
             print("stopped", name, flush=True)
 """
 
-# the user's submit, the spec on stdin (a launch this large is past one argument's limit)
-SUBMIT = r"""
-import sys
-import msgspec
-from ddpd.client import Client, RemoteError
-from ddpd.protocol import JobSpec
-try:
-    print(Client(sys.argv[1]).submit(msgspec.json.decode(sys.stdin.buffer.read(), type=JobSpec)), flush=True)
-except RemoteError as exc:
-    print("refused", exc, flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[Identity, Identity]]:
     with user_python_for_tests(), two_users("ddpdfz") as pair:
@@ -97,14 +83,6 @@ def quoted_spec(tag: str) -> JobSpec:
     environ = user_env(**{f"Q{tag}": "'" * QUOTES})
     return JobSpec(script=[str(REPO / "tests" / "scripts" / "show_env.py")], nproc=1, workdir="/tmp",
                    python=USER_PYTHON, environ=environ, timeouts=Timeouts(join=8.0, kill_grace=1.0))
-
-
-async def submit_as(who: Identity, d: DaemonProc, spec: JobSpec) -> str:
-    done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket)], input=msgspec.json.encode(spec),
-                                   user=who.uid, group=who.gid, extra_groups=[], cwd="/", env=user_env(),
-                                   check=False)
-    assert done.returncode == 0, done.stderr.decode()
-    return done.stdout.decode().strip()
 
 
 class Stops:

@@ -83,14 +83,15 @@ print(json.dumps(seen), flush=True)
 sys.stdin.read()
 """
 
-# a user's submit through the Python client (this checkout on the path): the job id, or the error
+# a user's submit through the Python client (this checkout on the path), the spec on stdin (a large
+# environment is past one argument's limit): the job id, or the error
 SUBMIT = r"""
 import sys
 import msgspec
 from ddpd.client import Client, RemoteError
 from ddpd.protocol import JobSpec
 try:
-    print(Client(sys.argv[1]).submit(msgspec.json.decode(sys.argv[2], type=JobSpec)), flush=True)
+    print(Client(sys.argv[1]).submit(msgspec.json.decode(sys.stdin.buffer.read(), type=JobSpec)), flush=True)
 except RemoteError as exc:
     print("refused", exc, flush=True)
 """
@@ -153,7 +154,7 @@ async def pings(who: Identity, d: DaemonProc) -> None:
 
 async def submit_as(who: Identity, d: DaemonProc, spec: JobSpec) -> str:
     """`who` submits `spec` through the Python client; the job id (or `refused ...`)."""
-    done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket), msgspec.json.encode(spec).decode()],
+    done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket)], input=msgspec.json.encode(spec),
                                    user=who.uid, group=who.gid, extra_groups=[], cwd="/", env=user_env(),
                                    check=False)
     assert done.returncode == 0, done.stderr.decode()
