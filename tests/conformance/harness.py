@@ -1,12 +1,15 @@
-"""The differential harness: one script, launched by torchrun and by ddpd (pooled and cold ranks), each
-in a directory of its own from a shell with a given umask, and what each launch ended as, for the
-tests to compare.
+"""The differential harness: one script launched three ways at once, `torchrun --standalone
+--nproc-per-node 2 SCRIPT ARGS` and `ddpctl submit --nproc 2 --follow -- SCRIPT ARGS` to a pooled and
+to a cold daemon, each from a directory of its own (the job's working directory) with the same
+environment and umask, and what each launch ended as, for the tests to compare.
 
-What is compared: the exit status (torchrun's against `ddpctl submit --follow`'s, both 0 or 1, and a
-failure's root cause: rank, exit code, error), the `RESULT ...` lines the ranks print, the bytes of
-every file the script wrote under `out/` (modes too where a test asks), and what was left: no
-process of the launch may outlive it, and ddpd must not have had to kill any (`job.leftover_killed`).
-Every wait is bounded; a launch that overruns is killed (its whole session) and fails the test.
+What is compared: the exit status (torchrun's against ddpctl's, 0 or 1 both, and a failure's root
+cause: rank, exit code, error), the `RESULT ...` lines the ranks print, the bytes of every file the
+script wrote under `out/` (modes too where a test asks), and what was left: no process of a launch
+may outlive it (those carrying its mark in their environment; a job's ranks and process groups), and
+ddpd must not have had to kill any (`job.leftover_killed`). The pooled launch waits for two ready pool
+interpreters and its ranks must have been those. Every wait is bounded; a launch that overruns is
+killed (its whole session) and fails the test.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ async def test_record_reports_the_failing_rank(daemons: Daemons, tmp_path: Path)
     ref = outcomes["torchrun"]
     assert ref.status == 1, ref.output
     assert ref.failure == Failure(1, 1, "ValueError: bad batch on rank 1"), ref.output
-    assert "error_file: <N/A>" not in ref.output  # @record wrote the error file torchrun reports from
+    root_cause = ref.output.partition("Root Cause (first observed failure):")[2]
+    assert "error_file: <N/A>" not in root_cause, ref.output  # @record wrote the file torchrun reports from
     assert_conform(outcomes)
     for launcher in ("pooled", "cold"):
         job = outcomes[launcher].job
