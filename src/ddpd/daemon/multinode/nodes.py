@@ -17,7 +17,9 @@ binds the attempt's worker store port on its own address (its local rank 0 serve
 publishes HOST:PORT there for the others' ranks. While the attempt runs (`poll`) each daemon counts
 its heartbeat in the store and judges the others' with `nodewatch.NodeWatch` on its own clock; an
 elastic job re-forms when nodes wait to join. A failing node writes its root cause in the store
-(`settle`), so the others end at once and show it.
+(`settle`), so the others end at once and show it. When the job ends here (`close`) the daemon
+reads how the other nodes ended (the daemon serving the store keeps it up until they have read
+each other's ends); the job view (`nodes`) then holds every node's end, or "unknown".
 """
 
 from __future__ import annotations
