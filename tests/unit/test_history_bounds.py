@@ -12,7 +12,7 @@ import pytest
 
 from ddpd.daemon.config import Config, ConfigError, load_config
 from ddpd.daemon.queue.resources import Resources
-from ddpd.daemon.queue.retention import at_bounds, past_bounds
+from ddpd.daemon.queue.retention import beyond_bounds, past_bounds
 from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.journal import Journal
@@ -33,8 +33,8 @@ def test_past_bounds_takes_the_oldest_first_and_never_the_newest() -> None:
     assert past_bounds(held, 2, 0, {"a"}) == ["b", "c"]  # one a queued job waits for stays (and counts)
     assert past_bounds([("big", 100)], 0, 10, set()) == []  # the newest stays, whatever it weighs
     assert past_bounds(held, 0, 0, set()) == [] and past_bounds(held, 4, 40, set()) == []
-    assert at_bounds(4, 40, 4, 0) and not at_bounds(4, 40, 4, 0, past=True) and at_bounds(5, 0, 4, 0, past=True)
-    assert not at_bounds(3, 39, 4, 40) and at_bounds(3, 40, 4, 40)
+    assert not beyond_bounds(4, 40, 4, 0) and beyond_bounds(5, 0, 4, 0) and beyond_bounds(1, 41, 0, 40)
+    assert not beyond_bounds(4, 40, 4, 40) and not beyond_bounds(10**6, 10**9, 0, 0)
 
 
 def test_the_bounds_are_config_keys_with_ranges(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> N
         done = await sched.submit_noting(SPEC, ANN)
         left = await sched.journal.history_of(ANN)
         assert [j for j, _ in left] == [kept, others[-2], others[-1]]  # the one waited for stays, and counts
-        assert sum(size for _, size in left) <= 3 * 2200 and done.notices == []  # within the bound now
+        assert sum(size for _, size in left) <= 3 * 2200 and "max_history_bytes_per_user = 6.45 KiB" in done.notices[0]
         assert waiting.state is JobState.QUEUED
     finally:
         db.close()

@@ -43,11 +43,9 @@ def past_bounds(held: Sequence[tuple[str, int]], max_jobs: int, max_bytes: int, 
     return out
 
 
-def at_bounds(count: int, size: int, max_jobs: int, max_bytes: int, *, past: bool = False) -> bool:
-    """Whether a user's history (`count` ended jobs, `size` bytes) is at one of its bounds (`past`: beyond it)."""
-    if past:
-        return bool((max_jobs and count > max_jobs) or (max_bytes and size > max_bytes))
-    return bool((max_jobs and count >= max_jobs) or (max_bytes and size >= max_bytes))
+def beyond_bounds(count: int, size: int, max_jobs: int, max_bytes: int) -> bool:
+    """Whether a user's history (`count` ended jobs, `size` bytes) is past one of its bounds (0: off)."""
+    return bool((max_jobs and count > max_jobs) or (max_bytes and size > max_bytes))
 
 
 class Retention:

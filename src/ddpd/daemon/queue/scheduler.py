@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.to_thread
+import msgspec
 import structlog
 
 from ...protocol import JobSpec, JobState, SpecError
@@ -48,7 +49,7 @@ from .gpuhealth import GpuHealth
 from .leftovers import kill_cgroup, kill_marked
 from .notifyhooks import Notifier
 from .resources import Resources
-from .retention import Retention, at_bounds, past_bounds
+from .retention import Retention, beyond_bounds, past_bounds
 from .table import JobTable
 
 log = structlog.get_logger("ddpd")
@@ -162,7 +163,7 @@ class Scheduler:
                 await anyio.to_thread.run_sync(require_fences, daemon_tag(self.config.state_dir))
         except (NodeError, FenceError) as exc:
             raise SpecError("rdzv_endpoint", str(exc).removeprefix("rdzv_endpoint: ")) from None
-        notices = await self._history_notices(owner_uid)
+        notices = await self._history_notices(owner_uid, spec)
         while key is not None and (pending := self._pending_keys.get(key)) is not None:
             await pending.wait()  # the same key is being saved: its outcome decides
         done = anyio.Event()
@@ -454,9 +455,9 @@ class Scheduler:
                 root_cause_rank=None if rc is None else rc.rank,
             )
             self.notifier.post(job, "ended")
+            await self.journal.count_stored(job.id)  # what its record takes: its owner's history bound counts it
         finally:
             job.finished.set()  # after the summary event: a `wait` returns once every event of the job is out
-        await self.journal.count_stored(job.id)
         self.retention.ended(job.owner_uid)  # its owner's history, against its bounds
 
     # -- history and retention ---------------------------------------------------------------
@@ -507,19 +508,21 @@ class Scheduler:
                                      max_history_bytes_per_user=cfg.max_history_bytes_per_user)
         return retired
 
-    async def _history_notices(self, uid: int) -> list[str]:
+    async def _history_notices(self, uid: int, spec: JobSpec) -> list[str]:
         """Before a new job of `uid` is saved: what is past its history bounds is retired now (a backlog
         the retention task has not reached: the bound holds at every submit), and the submitter is told
-        when its history is at a bound."""
+        when the end of this job will retire its oldest (its history with this job's spec is past a bound)."""
         if not self._history_bounded():
             return []
         cfg = self.config
         count, size = await self.journal.history_totals(uid)
         retired: list[str] = []
-        if at_bounds(count, size, cfg.max_history_per_user, cfg.max_history_bytes_per_user, past=True):
+        if beyond_bounds(count, size, cfg.max_history_per_user, cfg.max_history_bytes_per_user):
             retired = await self._retire_history(uid)
             count, size = await self.journal.history_totals(uid)
-        if not at_bounds(count, size, cfg.max_history_per_user, cfg.max_history_bytes_per_user):
+        this = len(msgspec.json.encode(spec))  # the least its record will take
+        if not retired and not beyond_bounds(count + 1, size + this, cfg.max_history_per_user,
+                                             cfg.max_history_bytes_per_user):
             return []
         bounds = [f"max_history_per_user = {cfg.max_history_per_user}"] if cfg.max_history_per_user else []
         if cfg.max_history_bytes_per_user:
