@@ -17,6 +17,8 @@ import anyio
 import httpx
 import pytest
 
+from ddpd.client import MAX_WORLD
+
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import gated, wait_state, wait_waiting_at_gate
 from .users import user_python_for_tests
@@ -109,7 +111,7 @@ async def test_json_pages_and_bad_queries(daemon: DaemonProc, web: WebServer) ->
         for path, query, word in (("/api/jobs", {"state": "BOGUS"}, "state"), ("/api/jobs", {"limit": "0"}, "limit"),
                                   ("/api/jobs", {"before": "-1"}, "before"), ("/api/jobs", {"user": "no body"}, "user"),
                                   ("/api/jobs", {"user": "nosuchuserhere"}, "nosuchuserhere"),
-                                  (f"/sse/jobs/{ok.id}/logs", {"rank": "99999"}, "rank"),
+                                  (f"/sse/jobs/{ok.id}/logs", {"rank": str(MAX_WORLD)}, "rank"),
                                   (f"/sse/jobs/{ok.id}/logs", {"stream": "nope"}, "stream")):
             reply = await http.get(web.at(path, **query))
             assert reply.status_code == 400 and word in reply.json()["message"], (path, query, reply.text)
