@@ -113,7 +113,9 @@ _OPTIONS: list[Callable[[F], F]] = [
                  help="Ranks of a built-in task that may die and be replaced in place while the others keep "
                  "training (default 3; 0: a lost rank restarts the attempt)."),
     click.option("--checkpoint-every", type=int, default=None, metavar="N", help="Checkpoint every N steps."),
-    click.option("--priority", type=int, default=None, metavar="N"),
+    click.option("--priority", type=int, default=None, metavar="N",
+                 help="Higher runs first (default 0; within one priority, fair share, then submission). Lower is "
+                 "anyone's choice; above your ceiling (0 unless the operator granted more) is refused."),
     click.option("--preemptible", is_flag=True, default=None,
                  help="A job of higher priority may stop this one (at an agreed step, checkpointed) and requeue it; "
                  "on a script, says it honours the stop API (ddpd.worker.api.should_stop)."),
