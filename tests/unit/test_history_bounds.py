@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from ddpd.daemon.config import Config, ConfigError, load_config
+from ddpd.daemon.queue import scheduler
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.queue.retention import beyond_bounds, past_bounds
 from ddpd.daemon.queue.scheduler import Scheduler
@@ -122,3 +123,39 @@ async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> N
         assert waiting.state is JobState.QUEUED
     finally:
         db.close()
+
+
+async def test_a_long_backlog_is_retired_a_batch_at_a_time(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bound lowered (or a daemon upgraded) over a long history: a submit waits for one batch only,
+    the retention task takes the rest."""
+    sched.config = Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=0)
+    ids = [await ended(sched, ANN) for _ in range(7)]
+    sched.config = Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=1)
+    monkeypatch.setattr(scheduler, "RETIRE_BATCH", 2)
+    done = await sched.submit_noting(SPEC, ANN)
+    assert done.notices[0].endswith(f"retired now: {ids[0]}, {ids[1]}"), done.notices
+    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[2:]
+    events = sched.journal.bus.subscribe()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sched.run, tg)
+        with anyio.fail_after(10):
+            async for event in events:
+                if event.kind == "job.history_retired" and ids[5] in event.data["retired"]:
+                    break
+        tg.cancel_scope.cancel()
+    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[6:]
+
+
+async def test_the_ended_jobs_of_an_older_database_are_counted_once_at_the_upgrade(tmp_path: Path) -> None:
+    db = StateDB(tmp_path / "ddpd.db")
+    sched = Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
+    job_id = await ended(sched, ANN, environ={"PAD": "y" * 3000})
+    db.run_sync(lambda c: c.execute("ALTER TABLE jobs DROP COLUMN stored_bytes"))  # as schema 6 had it
+    db.close()
+    again = StateDB(tmp_path / "ddpd.db")
+    try:
+        (size,) = again.run_sync(lambda c: c.execute("SELECT stored_bytes FROM jobs WHERE id = ?",
+                                                     (job_id,)).fetchone())
+        assert 3000 < size < 6000, size  # its spec and its events (submitted, cancelled, finished)
+    finally:
+        again.close()

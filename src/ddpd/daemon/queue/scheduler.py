@@ -56,6 +56,7 @@ log = structlog.get_logger("ddpd")
 
 MIB = 1024 * 1024
 RETIRED_NAMED = 10  # retired jobs named in a submit's notice (the rest counted)
+RETIRE_BATCH = 200  # one user's jobs retired per look (a submit waits for at most these)
 
 
 @dataclass(frozen=True)
@@ -495,7 +496,11 @@ class Scheduler:
             held = await self.journal.history_of(uid)
             awaited = {dep for j in self.unended.values() for dep in dependency_ids(j.spec)}
             retired: list[str] = []
-            for job_id in past_bounds(held, cfg.max_history_per_user, cfg.max_history_bytes_per_user, awaited):
+            victims = past_bounds(held, cfg.max_history_per_user, cfg.max_history_bytes_per_user, awaited)
+            if len(victims) > RETIRE_BATCH:  # (a bound lowered, an upgrade): the rest by the retention task
+                victims = victims[:RETIRE_BATCH]
+                self.retention.ended(uid)
+            for job_id in victims:
                 job = await self.lookup(job_id)
                 if job is None or job.owner_uid != uid or not job.state.final or not await self._delete(job):
                     continue
