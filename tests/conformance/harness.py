@@ -20,6 +20,7 @@ import importlib.util
 import os
 import pickle
 import re
+import select
 import signal
 import stat
 import subprocess
@@ -43,6 +44,9 @@ DDPCTL = str(BIN / "ddpctl")
 TORCHRUN = [str(BIN / "torchrun")] if (BIN / "torchrun").exists() else [sys.executable, "-m", "torch.distributed.run"]
 NPROC = 2
 LAUNCH_TIMEOUT = 240.0  # one launch, start to end: a framework's import is seconds of CPU on a loaded 2-core box
+# a process of a launch that ends on its own this soon after the launch (spawn's resource tracker, which
+# leaves when the last process holding its pipe has gone) was not left behind
+LEFT_GRACE = 5.0
 MARK = "DDPD_CONFORMANCE_RUN"  # in the environment of every launch (and so of every process it starts)
 LAUNCHERS = ("torchrun", "pooled", "cold")
 _RESULT = re.compile(r"RESULT rank=\d+(?: \w+=[^\s=]+?)*(?=RESULT |\s|$)")
@@ -176,9 +180,24 @@ def _launch_env(run_id: str) -> dict[str, str]:
     return {**os.environ, MARK: run_id}
 
 
-def _left_by(run_id: str) -> list[str]:
-    """Processes still alive that carry this launch's mark; killed here (they are this test's), named."""
-    left = processes_with_env(MARK, {run_id})
+async def _left_by(run_id: str) -> list[str]:
+    """Processes that carry this launch's mark and outlive it by more than LEFT_GRACE (each waited on
+    through a pidfd); killed here (they are this test's), named."""
+    left: list[int] = []
+    fds: dict[int, int] = {}
+    for pid in processes_with_env(MARK, {run_id}):
+        try:
+            fds[pid] = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pass
+    try:
+        with anyio.move_on_after(LEFT_GRACE):
+            for fd in fds.values():
+                await anyio.wait_readable(fd)  # readable: the process has ended
+        left = [pid for pid, fd in fds.items() if not _ended(fd)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     named = [f"{pid}: {describe(pid)}" for pid in left]
     for pid in left:
         try:
@@ -188,12 +207,16 @@ def _left_by(run_id: str) -> list[str]:
     return named
 
 
+def _ended(pidfd: int) -> bool:
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
 async def run_torchrun(script: str, args: list[str], rundir: Path, umask: int) -> Outcome:
     run_id = uuid.uuid4().hex
     argv = [*TORCHRUN, "--standalone", f"--nproc-per-node={NPROC}", str(SCRIPTS / script), *args]
     rc, stdout, stderr = await _run(argv, rundir, _launch_env(run_id), umask)
     files, modes = snapshot(rundir / "out")
-    return Outcome("torchrun", rc, result_lines(stdout), files, modes, _left_by(run_id),
+    return Outcome("torchrun", rc, result_lines(stdout), files, modes, await _left_by(run_id),
                    _torchrun_failure(stderr) if rc else None, output=stderr[-4000:])
 
 
@@ -218,7 +241,7 @@ async def run_ddpd(d: DaemonProc, launcher: str, script: str, args: list[str], r
             events = [e async for e in stream]
     leftovers = [f"the daemon killed leftovers {e.data.get('pids')} ({e.data.get('via') or 'process sweep'})"
                  for e in events if e.kind == "job.leftover_killed"]
-    leftovers += _left_by(run_id)
+    leftovers += await _left_by(run_id)
     assert_nothing_left([job])
     files, modes = snapshot(rundir / "out")
     output = "\n".join(f"--- rank {rank} ---\n{text[-3000:]}" for rank, text in sorted(texts.items()))
