@@ -63,8 +63,10 @@ async def _gpus(configured: int | None) -> list[GpuInfo]:
 
 
 class Daemon:
-    def __init__(self, config: Config, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: Config, overrides: dict[str, Any] | None = None,
+                 inherited_umask: int = DAEMON_UMASK) -> None:
         self.config = config
+        self.inherited_umask = inherited_umask  # what started it had (said once it is ready)
         self.overrides = overrides or {}
         self.started = time.monotonic()
         self.notifier = Notifier()
@@ -208,7 +210,8 @@ class Daemon:
                 log.info("daemon.ready", version=__version__, pid=os.getpid(), socket=str(self._socket_path),
                          socket_activated=self._adopted, state_dir=str(cfg.state_dir), gpus=gpus,
                          cpu_slots=cfg.cpu_slots, running=running, queued=queued,
-                         watchdog_interval=self.notifier.watchdog_interval)
+                         watchdog_interval=self.notifier.watchdog_interval, umask=f"{DAEMON_UMASK:04o}",
+                         inherited_umask=f"{self.inherited_umask:04o}")
                 self.notifier.send("READY=1")
                 self._status()
                 task_status.started()
@@ -301,6 +304,4 @@ def containment(cfg: Config) -> Subtree | None:
 def run(config: Config, overrides: dict[str, Any] | None = None) -> None:
     configure_logging(config.log_level, config.log_format)
     was = private_umask()  # before anything is created: the database is never others' (store.private)
-    if was != DAEMON_UMASK:
-        log.info("daemon.umask_set", umask=f"{DAEMON_UMASK:04o}", inherited=f"{was:04o}")
-    anyio.run(Daemon(config, overrides).serve)
+    anyio.run(Daemon(config, overrides, inherited_umask=was).serve)
