@@ -36,6 +36,9 @@ from .ranks import RankHandle
 from .teardown import UNKILLABLE_WAIT
 
 STACK_DUMP_WAIT = 1.0
+# what a rank left behind that ends on its own once the rank is gone (multiprocessing's resource
+# tracker sees its pipe close) gets this long before it counts as left and is killed
+LEFTOVER_GRACE = 1.0
 DUMP_READ_LIMIT = 1 << 20  # bytes of a rank log read for its stack dump
 
 
@@ -210,8 +213,26 @@ class RankGang:
         except OSError as exc:
             await self.journal.event(self.job, "job.cgroup_error", cgroup=str(cg.path), error=str(exc))
 
+    async def _settle(self, ranks: set[int]) -> None:
+        """Give what the ranks left (in the cgroup, or in their groups) LEFTOVER_GRACE to end on its
+        own, as it does under python and torchrun: a helper that exits when its parent's pipe closes
+        is not a leftover."""
+        if self.cgroup is not None:
+            try:
+                pids = await anyio.to_thread.run_sync(self.cgroup.pids)
+            except OSError:
+                return
+        else:
+            pids = [p.pid for p in await anyio.to_thread.run_sync(self._descendants, ranks) if p.state != "Z"]
+        others = [pid for pid in pids if pid not in ranks]
+        if others:
+            with anyio.move_on_after(LEFTOVER_GRACE):
+                for pid in others:
+                    await procs.wait_gone(pid)
+
     async def sweep(self) -> None:
         ranks = {h.proc.pid for h in self.handles}
+        await self._settle(ranks)
         if self.cgroup is not None:
             await self._kill_cgroup(self.cgroup, ranks)
         found = await anyio.to_thread.run_sync(self._descendants, ranks)
