@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from ddpd.protocol import JobState
+from ddpd.protocol.spec import MAX_WORLD
 
 from ..conftest import DaemonProc
 from ..rawclient import all_jobs, call, ping_within, send_raw
@@ -75,7 +76,8 @@ async def test_bad_fields_are_refused_naming_them(door: DaemonProc) -> None:
 
 async def test_a_bad_request_does_not_close_the_connection(door: DaemonProc) -> None:
     frames = (b'{"op":"status","id":1,"job_id":"' + b"j" * 100 + b'"}\n' + b'{"op":"list","id":2,"limit":-1}\n'
-              + b'{"op":"logs","id":3,"job_id":"x","rank":4096}\n' + b'{"op":"ping","id":4}\n')
+              + b'{"op":"logs","id":3,"job_id":"x","rank":' + str(MAX_WORLD).encode() + b'}\n'  # past every rank
+              + b'{"op":"ping","id":4}\n')
     replies = await send_raw(door.client, frames, expect=4)
     assert [(r["id"], r["type"]) for r in replies] == [(1, "error"), (2, "error"), (3, "error"), (4, "ok")]
     assert {r.get("code") for r in replies[:3]} == {"bad_message"}
