@@ -149,6 +149,10 @@ class Attempt:
     def signals_sent(self) -> frozenset[str]:
         return frozenset(self.gang.signals_sent)
 
+    def reported_failure(self) -> bool:
+        """Whether a rank of this attempt has sent its failure (it may not have exited yet)."""
+        return any(h.failure is not None for h in self.handles)
+
     def exit_outcome(self) -> Outcome | None:
         return finished_outcome(self.handles, self.job.spec.nproc, self.job.spec.script is not None, self.number,
                                 cancel_requested=self.job.cancel_requested, warned=self._warned,
