@@ -18,12 +18,11 @@ a sitecustomize). So:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import anyio
@@ -32,6 +31,7 @@ import structlog
 
 from ..contain.cgroups import AttemptCgroup, CgroupError, Subtree
 from ..contain.identity import Identity, check_interpreter
+from ..contain.userslots import UserSlots
 
 log = structlog.get_logger("ddpd")
 
@@ -85,22 +85,8 @@ class InterpreterChecks:
         self._ok: OrderedDict[tuple[int, str, str], float] = OrderedDict()
         self._limiter: anyio.CapacityLimiter | None = None
         self._subtree = subtree
-        self._per_user = per_user
-        self._users: dict[int, anyio.CapacityLimiter] = {}  # each uid's slots, while it has checks
+        self._slots = UserSlots(per_user)
         self._serial = itertools.count(1)
-
-    @contextlib.asynccontextmanager
-    async def _slot(self, uid: int) -> AsyncIterator[None]:
-        """One of `uid`'s `per_user` slots (waiting for one holds no other user's)."""
-        mine = self._users.setdefault(uid, anyio.CapacityLimiter(1))
-        mine.total_tokens = max(1, self._per_user())
-        try:
-            async with mine:
-                yield
-        finally:
-            stats = mine.statistics()
-            if not stats.borrowed_tokens and not stats.tasks_waiting:
-                self._users.pop(uid, None)
 
     async def _check(self, identity: Identity, python: str, env: dict[str, str], timeout: float) -> str | None:
         """One check, in a cgroup of its own where there is a subtree (killed and removed afterwards)."""
@@ -126,7 +112,7 @@ class InterpreterChecks:
         seen = self._ok.get(key)
         if seen is not None and time.monotonic() - seen < CACHE_SECONDS:
             return None
-        async with self._slot(identity.uid):
+        async with self._slots.slot(identity.uid):
             reason = await self._check(identity, python, dict(env), timeout)
         if reason is None:
             self._ok[key] = time.monotonic()

@@ -13,9 +13,8 @@ wait their turn, holding no other user's slot).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 
 import anyio
 import anyio.to_thread
@@ -24,6 +23,7 @@ from ...protocol import JobSpec, JobState, SpecError, check_spec
 from ..config import Config
 from ..contain.identity import Identity, UnknownUser, admin_gid
 from ..contain.pathcheck import check_paths_as
+from ..contain.userslots import UserSlots
 from ..store.errors import ForbiddenError, LimitError
 from ..store.records import Job
 from .resources import Resources
@@ -105,19 +105,8 @@ class PathChecks:
 
     def __init__(self, timeout: float = PATH_CHECK_TIMEOUT) -> None:
         self.timeout = timeout
-        self._users: dict[int, anyio.CapacityLimiter] = {}  # each uid's slots, while it has checks
+        self._slots = UserSlots(lambda: PATH_CHECKS_PER_USER)
         self._limiter: anyio.CapacityLimiter | None = None
-
-    @contextlib.asynccontextmanager
-    async def _slot(self, uid: int) -> AsyncIterator[None]:
-        mine = self._users.setdefault(uid, anyio.CapacityLimiter(PATH_CHECKS_PER_USER))
-        try:
-            async with mine:
-                yield
-        finally:
-            stats = mine.statistics()
-            if not stats.borrowed_tokens and not stats.tasks_waiting:
-                self._users.pop(uid, None)
 
     async def check(self, spec: JobSpec, uid: int) -> None:
         """SpecError (`workdir` or `script`) where the submitter cannot enter the working directory or
@@ -133,7 +122,7 @@ class PathChecks:
             identity = await anyio.to_thread.run_sync(Identity.of, uid)
         except UnknownUser as exc:
             raise ForbiddenError(str(exc)) from None
-        async with self._slot(uid):
+        async with self._slots.slot(uid):
             problem = await anyio.to_thread.run_sync(check_paths_as, identity, spec.workdir, script, self.timeout,
                                                      limiter=self._limiter)
         if problem is not None:
