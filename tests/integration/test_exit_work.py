@@ -94,7 +94,9 @@ async def test_a_failing_rank_does_its_exit_work_and_its_own_exit_is_the_root_ca
     daemon: DaemonProc, tmp_path: Path
 ) -> None:
     """Bug: the failure frame tore the job down at once, so the failing rank's atexit handlers could
-    be cut short by the teardown's SIGTERM, and the root cause then read "signal SIGTERM"."""
+    be cut short by the teardown's SIGTERM, and the root cause then read "signal SIGTERM". Bug: a
+    rank that had sent its failure still counted as joined, so "all ranks joined" (RUNNING) could be
+    recorded after rank.failed."""
     ref, ours = tmp_path / "torchrun", tmp_path / "ddpd"
     ref.mkdir()
     ours.mkdir()
@@ -105,3 +107,8 @@ async def test_a_failing_rank_does_its_exit_work_and_its_own_exit_is_the_root_ca
     assert cause is not None and (cause.rank, cause.exit_code, cause.signal) == (1, 1, None), cause
     assert cause.error == "RuntimeError" and cause.message == "rank 1 gives up", cause
     assert _files(ours) == _files(ref) == {"atexit-1.txt": b"atexit ran\n"}
+    # events in causal order: once a rank has failed, the job is never recorded RUNNING after it
+    events = [e async for e in daemon.client.events(view.id)]
+    failed_at = next(i for i, e in enumerate(events) if e.kind == "rank.failed")
+    later = [e.data for e in events[failed_at:] if e.kind == "job.state_changed"]
+    assert later and all(d["to"] != JobState.RUNNING.value for d in later), later
