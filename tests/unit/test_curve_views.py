@@ -52,7 +52,7 @@ def test_png_size_is_checked() -> None:
 
 def test_terminal_plot_draws_the_curve() -> None:
     text = curves.terminal_plot(curve(), width=60, height=15, color=False)
-    assert "j3-abcd loss (RUNNING)" in text and "step" in text and len(text.splitlines()) == 15
+    assert "j3-abcd loss (RUNNING, step 50 of 100 planned)" in text and "step" in text and len(text.splitlines()) == 15
     assert all(line == line.rstrip() and len(line) <= 60 + 8 for line in text.splitlines())
 
 

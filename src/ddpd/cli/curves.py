@@ -16,6 +16,7 @@ from typing import Any
 
 from ddpd.client import CurvePoint, CurveResult
 
+from . import ticks
 from .render import duration_text
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -90,7 +91,9 @@ def terminal_plot(curve: CurveResult, width: int | None = None, height: int | No
                   color: bool = True) -> str:
     """The loss against the step for a terminal, `width` x `height` characters (default: the terminal's):
     by the PNG's rules (a log scale when a positive loss spans two decades or more), steps as whole
-    numbers, and each point marked where there are few enough to tell apart."""
+    numbers, and each point marked where there are few enough to tell apart. The x axis spans the
+    steps run so far and the planned end is said in words in the title; the y labels carry the digits
+    that tell them apart (`ticks.labels`)."""
     points = losses(curve)
     cols, rows = _terminal_size()
     log = _log_scale([v for _, v in points])
@@ -98,10 +101,12 @@ def terminal_plot(curve: CurveResult, width: int | None = None, height: int | No
                      [s for s, _ in points], [math.log10(v) if log else v for _, v in points])
     canvas.draw(marked=len(points) <= canvas.width // 3)
     scale = ", log scale" if log else ""
+    if points and curve.steps and curve.steps > points[-1][0]:  # said, not the scale
+        scale += f", step {points[-1][0]} of {curve.steps} planned"
     lines = [f"{curve.job_id} loss ({curve.state}{scale})"]
+    labels = canvas.y_labels(log)
     for row, text in enumerate(canvas.rows()):
-        label = canvas.y_label(row, log)
-        lines.append(f"{label:>{AXIS_WIDTH - 1}} ┤{_blue(text, color)}")
+        lines.append(f"{labels.get(row, ''):>{AXIS_WIDTH - 1}} ┤{_blue(text, color)}")
     lines.append(" " * (AXIS_WIDTH - 1) + " └" + "─" * canvas.width)
     lines.append(" " * (AXIS_WIDTH + 1) + canvas.x_labels() + "  step")
     return "\n".join(lines)
@@ -149,11 +154,12 @@ class _Canvas:
     def rows(self) -> list[str]:
         return ["".join(cells).rstrip() for cells in self.grid]
 
-    def y_label(self, row: int, log: bool) -> str:
-        if row not in (0, self.height // 2, self.height - 1):
-            return ""
-        y = self.y1 - (self.y1 - self.y0) * row / (self.height - 1)
-        return f"{10 ** y if log else y:.3g}"
+    def y_labels(self, log: bool) -> dict[int, str]:
+        """The loss at the top, middle and bottom rows, by row (a loss from 1.0051 to 1.0037 read
+        1.01, 1, 1 with three fixed digits)."""
+        rows = sorted({0, self.height // 2, self.height - 1})
+        values = [self.y1 - (self.y1 - self.y0) * row / (self.height - 1) for row in rows]
+        return dict(zip(rows, ticks.labels([10**v if log else v for v in values]), strict=True))
 
     def x_labels(self) -> str:
         """The first, middle and last step under the axis, as whole numbers."""

@@ -2,7 +2,10 @@
 
 The loss against the step as one polyline over a frame with a few labelled ticks (log scale when
 the loss spans two decades or more), and the steps per second as a faint line on its own scale.
-Only numbers and fixed words go into the SVG; the caller's text is never drawn into it.
+The x axis spans the steps run so far; a job's planned end is said in words under it, never used as
+the scale (a job 450 steps into 400,000 was a vertical line at the left edge). Tick labels carry the
+digits their range needs (`ticks.labels`). Only numbers and fixed words go into the SVG; the caller's
+text is never drawn into it.
 """
 
 from __future__ import annotations
@@ -12,15 +15,11 @@ from collections.abc import Sequence
 
 from ddpd.client import CurveResult
 
+from .. import ticks as tick_marks
+
 WIDTH, HEIGHT = 720, 260
 LEFT, RIGHT, TOP, BOTTOM = 64, 56, 14, 34  # margins for the tick labels
 TICKS = 5
-
-
-def _ticks(low: float, high: float) -> list[float]:
-    if high <= low:
-        return [low]
-    return [low + (high - low) * i / (TICKS - 1) for i in range(TICKS)]
 
 
 def _fmt(value: float) -> str:
@@ -30,8 +29,9 @@ def _fmt(value: float) -> str:
 class _Scale:
     """Maps values in [low, high] onto pixels [a, b] (linear or log10)."""
 
-    def __init__(self, low: float, high: float, a: float, b: float, log: bool = False) -> None:
-        self.log = log
+    def __init__(self, low: float, high: float, a: float, b: float, log: bool = False,
+                 whole: bool = False) -> None:
+        self.log, self.whole = log, whole
         self.low, self.high = (math.log10(low), math.log10(high)) if log else (low, high)
         if self.high <= self.low:
             self.low, self.high = self.low - 1, self.high + 1
@@ -42,8 +42,10 @@ class _Scale:
         return self.a + (v - self.low) / (self.high - self.low) * (self.b - self.a)
 
     def ticks(self) -> list[float]:
-        marks = _ticks(self.low, self.high)
-        return [10**m for m in marks] if self.log else marks
+        """Round values on a linear scale; on a log scale, evenly spaced in the exponent."""
+        if not self.log:
+            return tick_marks.nice(self.low, self.high, TICKS, whole=self.whole)
+        return [10 ** (self.low + (self.high - self.low) * i / (TICKS - 1)) for i in range(TICKS)]
 
 
 def _polyline(xs: Sequence[float], ys: Sequence[float], cls: str) -> str:
@@ -64,32 +66,40 @@ def loss_svg(curve: CurveResult) -> str:
     steps = [s for s, _ in points]
     losses = [v for _, v in points]
     log = min(losses) > 0 and math.log10(max(losses) / min(losses)) >= 2
-    x = _Scale(min(steps), max(max(steps), curve.steps or 0), LEFT, WIDTH - RIGHT)
+    ran = [s for s, _ in _rates(curve)] + steps  # the steps run so far, not the planned end
+    x = _Scale(min(ran), max(ran), LEFT, WIDTH - RIGHT, whole=True)
     y = _Scale(min(losses), max(losses), HEIGHT - BOTTOM, TOP, log=log)
-    parts = [head, frame, *_axes(x, y), _polyline([x(s) for s in steps], [y(v) for v in losses], "loss")]
+    planned = curve.steps if curve.steps is not None and curve.steps > max(ran) else None
+    parts = [head, frame, *_axes(x, y, planned), _polyline([x(s) for s in steps], [y(v) for v in losses], "loss")]
     parts.append(f'<circle class="last" cx="{x(steps[-1]):.1f}" cy="{y(losses[-1]):.1f}" r="3"/>')
     parts.extend(_rate_line(curve, x))
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _axes(x: _Scale, y: _Scale) -> list[str]:
+def _axes(x: _Scale, y: _Scale, planned: int | None) -> list[str]:
     out = []
     for step in sorted({round(v) for v in x.ticks()}):  # steps are whole: no tick twice
         out.append(f'<text class="tick" x="{x(step):.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">'
                    f'{step}</text>')
-    for value in y.ticks():
+    values = y.ticks()
+    for value, label in zip(values, tick_marks.labels(values), strict=True):
         py = y(value)
         out.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py:.1f}" y2="{py:.1f}"/>')
-        out.append(f'<text class="tick" x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end">{_fmt(value)}</text>')
-    out.append(f'<text class="label" x="{WIDTH - RIGHT}" y="{HEIGHT - 4}" text-anchor="end">step</text>')
+        out.append(f'<text class="tick" x="{LEFT - 6}" y="{py + 4:.1f}" text-anchor="end">{label}</text>')
+    words = "step" if planned is None else f"step (of {planned} planned)"
+    out.append(f'<text class="label" x="{WIDTH - RIGHT}" y="{HEIGHT - 4}" text-anchor="end">{words}</text>')
     out.append(f'<text class="label" x="4" y="{TOP + 10}">loss</text>')
     return out
 
 
+def _rates(curve: CurveResult) -> list[tuple[int, float]]:
+    return [(p.step, p.steps_per_second) for p in curve.points
+            if p.steps_per_second is not None and math.isfinite(p.steps_per_second)]
+
+
 def _rate_line(curve: CurveResult, x: _Scale) -> list[str]:
-    rates = [(p.step, p.steps_per_second) for p in curve.points
-             if p.steps_per_second is not None and math.isfinite(p.steps_per_second)]
+    rates = _rates(curve)
     if len(rates) < 2:
         return []
     top = max(r for _, r in rates)
