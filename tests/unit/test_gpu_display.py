@@ -6,7 +6,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from ddpd.cli.render import daemon_grid, gpu_line, rank_gpu_text, ranks_table, size_text
+from ddpd.cli.daemon_view import daemon_grid, gpu_line, rank_gpu_text
+from ddpd.cli.render import ranks_table
+from ddpd.cli.words import size_text
 from ddpd.client import DaemonInfo, GpuView, JobSpec, JobState, RankGpu
 from ddpd.daemon.gpu import gpus
 from ddpd.daemon.gpu.gpus import GpuInfo, GpuProcess

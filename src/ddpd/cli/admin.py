@@ -10,10 +10,11 @@ from rich.text import Text
 
 from ddpd.client import ShareResult, WhoAmI
 
-from . import render
 from .completion import SHELLS, completion_script
+from .daemon_view import daemon_grid
 from .group import cli, client_for, output_option, socket_option
 from .output import note, print_json, show
+from .words import duration_text
 
 
 @cli.command()
@@ -34,7 +35,7 @@ def daemon_info(output: str, socket_path: Path | None) -> None:
     if output == "json":
         print_json(info)
         return
-    show(render.daemon_grid(info))
+    show(daemon_grid(info))
 
 
 @cli.command()
@@ -122,7 +123,7 @@ def share(output: str, socket_path: Path | None) -> None:
 
 
 def _share_table(result: ShareResult) -> Table:
-    half = f"half-life {render.duration_text(result.half_life)}" if result.half_life else "no decay"
+    half = f"half-life {duration_text(result.half_life)}" if result.half_life else "no decay"
     table = Table(title=f"fair share ({half})", title_justify="left")
     for name in ("user", "GPU-s", "CPU-s", "usage", "factor", "running", "queued"):
         table.add_column(name, justify="left" if name == "user" else "right")

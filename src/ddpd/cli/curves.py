@@ -17,7 +17,7 @@ from typing import Any
 from ddpd.client import CurvePoint, CurveResult
 
 from . import ticks
-from .render import duration_text
+from .words import duration_text
 
 SPARKS = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 40

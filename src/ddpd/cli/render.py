@@ -1,9 +1,10 @@
-"""How ddpctl shows jobs, ranks, events and the daemon: plain strings and rich tables, no I/O."""
+"""How ddpctl shows jobs: the job table, a job's detail (header, root cause, nodes, ranks), its final
+line, a cancel's outcome and an event line. Plain strings and rich tables, no I/O. The words for
+values are in `words`; the daemon's grid and the GPUs in `daemon_view`."""
 
 from __future__ import annotations
 
 import datetime
-import pwd
 from collections.abc import Iterable, Mapping
 
 import msgspec
@@ -11,18 +12,10 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ddpd.client import (
-    CancelResult,
-    DaemonInfo,
-    EventView,
-    GpuView,
-    JobState,
-    JobView,
-    RankGpu,
-    RootCause,
-    local_ranks,
-    span_text,
-)
+from ddpd.client import CancelResult, EventView, JobState, JobView, RootCause, local_ranks, span_text
+
+from .daemon_view import rank_gpu_text
+from .words import duration_text, exit_text, owner_name
 
 FINAL = frozenset(s.value for s in JobState if s.final)
 
@@ -45,42 +38,8 @@ STATE_STYLES = {
 }
 
 
-def duration_text(seconds: float | None, *, whole: bool = False) -> str:
-    """12.3s, 4m05s, 3h07m, 2d04h (`whole`: seconds rounded, 12s)."""
-    if seconds is None:
-        return ""
-    seconds = max(0.0, seconds)
-    if whole:
-        seconds = float(round(seconds))
-    if seconds < 60:
-        return f"{seconds:.0f}s" if whole else f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours}h{minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d{hours:02d}h"
-
-
-def _exit_text(exit_code: int | None, signal: str | None) -> str:
-    if signal:
-        return signal
-    if exit_code is not None:
-        return f"exit {exit_code}"
-    return ""
-
-
 def _state(state: str) -> Text:
     return Text(state, style=STATE_STYLES.get(state, ""))
-
-
-def _owner(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def _cause_short(view: JobView) -> str:
@@ -90,9 +49,9 @@ def _cause_short(view: JobView) -> str:
     parts = [cause.reason]
     if cause.rank is not None:
         parts.append(f"rank {cause.rank}")
-    exit_text = _exit_text(cause.exit_code, cause.signal)
-    if exit_text:
-        parts.append(exit_text)
+    ended = exit_text(cause.exit_code, cause.signal)
+    if ended:
+        parts.append(ended)
     if cause.error:
         parts.append(cause.error)
     return ": ".join(parts)
@@ -104,9 +63,9 @@ def _cause_lines(cause: RootCause, traceback_lines: int = 12) -> list[tuple[str,
         rows.append(("rank", str(cause.rank)))
     if cause.attempt is not None:
         rows.append(("attempt", str(cause.attempt)))
-    exit_text = _exit_text(cause.exit_code, cause.signal)
-    if exit_text:
-        rows.append(("exit", exit_text))
+    ended = exit_text(cause.exit_code, cause.signal)
+    if ended:
+        rows.append(("exit", ended))
     if cause.phase:
         rows.append(("phase", cause.phase))
     if cause.error or cause.message:
@@ -146,7 +105,7 @@ def _job_header(view: JobView, now: float) -> Table:
         grid.add_row("queue", Text(f"#{view.queue_position} in line"))
     if view.pending:
         grid.add_row("pending", Text(view.pending))
-    grid.add_row("owner", Text(_owner(view.owner_uid)))
+    grid.add_row("owner", Text(owner_name(view.owner_uid)))
     grid.add_row("nproc", Text(str(view.spec.nproc)))
     grid.add_row("attempt", Text(str(view.attempt)))
     if view.started_at is not None:
@@ -196,53 +155,11 @@ def ranks_table(view: JobView, title: str | None = None) -> Table:
             Text(str(rank.step)),
             Text("" if rank.loss is None else f"{rank.loss:.4g}"),
             Text("" if rank.heartbeat_age is None else f"{rank.heartbeat_age:.1f}s ago"),
-            Text(_exit_text(rank.exit_code, rank.signal)),
+            Text(exit_text(rank.exit_code, rank.signal)),
             *([Text(rank_gpu_text(rank.gpus))] if with_gpus else []),
             *([Text(f"{rank.replacements}x" if rank.replacements else "")] if replaced else []),
         )
     return table
-
-
-def size_text(n: int) -> str:
-    """Bytes as a short size: 512 B, 1.5 MiB, 12.3 GiB."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def gpu_name(index: int, mig: int | None, uuid: str, short: bool = False) -> str:
-    """A GPU as every view names it: the NVML index (``0``, ``0/mig1``) and the UUID (`short`: its
-    first 8 hex digits, ``GPU-5d3f0a1b``, a prefix CUDA_VISIBLE_DEVICES accepts too)."""
-    label = f"{index}" if mig is None else f"{index}/mig{mig}"
-    if short and uuid.startswith(("GPU-", "MIG-")):
-        uuid = uuid[:12]
-    return f"{label} {uuid}" if uuid else label
-
-
-def rank_gpu_text(gpus: list[RankGpu]) -> str:
-    """A rank's GPUs: "0 GPU-5d3f0a1b (1.2 GiB)", "0 GPU-5d3f0a1b x0.5 (-)" (- where NVML does not say)."""
-    return ", ".join(f"{gpu_name(g.index, g.mig, g.uuid, short=True)}{'' if g.share is None else f' x{g.share:g}'} "
-                     f"({'-' if g.memory_used is None else size_text(g.memory_used)})"
-                     + (f" {'/'.join(map(str, g.utilization[-6:]))}%" if g.utilization else "") for g in gpus)
-
-
-def gpu_line(g: GpuView) -> str:
-    """One GPU for `ddpctl daemon`: name, UUID, memory used of total, utilisation, holders, share held, draining."""
-    memory = "?" if g.memory_used is None or g.memory_total is None else \
-        f"{size_text(g.memory_used)} of {size_text(g.memory_total)}"
-    util = "" if g.utilization is None else f", {g.utilization}% busy"
-    held = ", ".join(g.jobs) if g.jobs else "free"
-    if g.jobs and 0 < g.held < 1:
-        held += f" ({g.held:.0%} held)"
-    others = f" (+{g.other_processes} other process{'es' if g.other_processes > 1 else ''})" \
-        if g.other_processes else ""
-    draining = f"; draining: {', '.join(g.draining)}" if g.draining else ""
-    draining += f"; QUARANTINED: {g.quarantined}" if g.quarantined else ""
-    uuid = f" {g.uuid}" if g.uuid else ""
-    return f"{g.name}{uuid}: {memory}{util}; {held}{others}{draining}"
 
 
 def state_text(view: JobView) -> Text:
@@ -313,7 +230,7 @@ def jobs_table(views: Iterable[JobView], now: float, progress: bool = False, tit
         table.add_row(
             Text(view.id),
             Text(view.name),
-            Text(_owner(view.owner_uid)),
+            Text(owner_name(view.owner_uid)),
             state_text(view),
             Text(str(view.spec.nproc)),
             Text(str(view.attempt)),
@@ -359,37 +276,6 @@ def event_line(event: EventView) -> str:
         text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
         parts.append(f"{key}={text}")
     return " ".join(parts)
-
-
-def daemon_grid(info: DaemonInfo) -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column(overflow="fold")
-    rows = [
-        ("version", f"{info.version} (protocol {info.protocol})"),
-        ("pid", str(info.pid)),
-        ("uptime", duration_text(info.uptime)),
-        ("socket", info.socket),
-        ("state dir", info.state_dir),
-        ("running", str(info.running)),
-        ("queued", str(info.queued)),
-        ("cpu slots", _free_of(info.free_cpu_slots, info.cpu_slots)),
-        ("gpus", _free_of(info.free_gpus, info.gpus)),
-    ]
-    if info.pool_state is not None:
-        rows.append(("pool", info.pool_state))
-    elif info.pool_ready is not None:
-        rows.append(("warm pool", f"{info.pool_ready} ready"))
-    rows.extend((f"gpu {gpu_name(g.index, g.mig, '')}", gpu_line(g)) for g in info.gpu_devices)
-    if info.gpu_note:
-        rows.append(("gpu figures", f"unavailable: {info.gpu_note}"))
-    for key, value in rows:
-        grid.add_row(key, Text(value))
-    return grid
-
-
-def _free_of(free: int | None, total: int) -> str:
-    return str(total) if free is None else f"{free} free of {total}"
 
 
 def cancel_line(result: CancelResult) -> str:

@@ -30,6 +30,8 @@ from ddpd.client import (
 )
 
 from .. import curves, render
+from ..daemon_view import gpu_name, rank_gpu_text
+from ..words import duration_text, size_text
 from . import chart
 from .data import DaemonPage, JobDetail
 
@@ -70,13 +72,13 @@ def duration(job: JobView, now: float) -> str:
     if job.started_at is None:
         return ""
     end = job.finished_at if job.finished_at is not None else now
-    return render.duration_text(end - job.started_at)
+    return duration_text(end - job.started_at)
 
 
 def job_row(job: JobView, now: float) -> dict[str, Any]:
     return {"id": job.id, "name": job.name, "owner": owner_name(job.owner_uid), "state": job.state,
             "position": job.queue_position, "resources": resources(job), "attempt": job.attempt,
-            "age": render.duration_text(now - job.submitted_at, whole=True), "duration": duration(job, now),
+            "age": duration_text(now - job.submitted_at, whole=True), "duration": duration(job, now),
             "cause": cause_short(job) if job.state in FINAL else ""}
 
 
@@ -114,7 +116,7 @@ def rank_row(rank: RankView) -> dict[str, Any]:
             "pid": "" if rank.pid is None else str(rank.pid), "step": rank.step,
             "loss": "" if rank.loss is None else f"{rank.loss:.4g}",
             "heartbeat": "" if rank.heartbeat_age is None else f"{rank.heartbeat_age:.1f}s ago",
-            "exit": exit_text, "gpus": render.rank_gpu_text(rank.gpus) if rank.gpus else ""}
+            "exit": exit_text, "gpus": rank_gpu_text(rank.gpus) if rank.gpus else ""}
 
 
 def node_row(node: NodeView) -> dict[str, Any]:
@@ -138,7 +140,7 @@ def progress(curve: CurveResult | None, final: bool) -> dict[str, str]:
     points = curves.losses(curve)
     last = curve.points[-1].step if curve.points else None
     return {"rate": "" if rate is None else f"{rate:.3g} steps/s",
-            "eta": "" if eta is None or final else f"ETA {render.duration_text(eta, whole=True)}",
+            "eta": "" if eta is None or final else f"ETA {duration_text(eta, whole=True)}",
             "loss": f"loss {points[-1][1]:.4g}" if points else "",
             "step": "" if last is None else f"step {last}" + ("" if curve.steps is None else f" of {curve.steps}")}
 
@@ -177,11 +179,11 @@ def job_context(detail: JobDetail, now: float, viewer: int) -> dict[str, Any]:
 
 
 def _size(n: int | None) -> str:
-    return "?" if n is None else render.size_text(n)
+    return "?" if n is None else size_text(n)
 
 
 def gpu_row(g: GpuView) -> dict[str, Any]:
-    return {"index": render.gpu_name(g.index, g.mig, g.uuid), "name": g.name,
+    return {"index": gpu_name(g.index, g.mig, g.uuid), "name": g.name,
             "memory": f"{_size(g.memory_used)} of {_size(g.memory_total)}",
             "utilization": "" if g.utilization is None else f"{g.utilization}%",
             "jobs": ", ".join(g.jobs) or "free", "others": g.other_processes}
@@ -189,7 +191,7 @@ def gpu_row(g: GpuView) -> dict[str, Any]:
 
 def daemon_context(page: DaemonPage) -> dict[str, Any]:
     info = page.info
-    return {"info": info, "uptime": render.duration_text(info.uptime),
+    return {"info": info, "uptime": duration_text(info.uptime),
             "load": " ".join(f"{v:.2f}" for v in page.load), "cpus": page.cpus,
             "gpus": [gpu_row(g) for g in info.gpu_devices],
             "queues": [{"user": owner_name(q.uid), "queued": q.queued, "running": q.running, "ranks": q.ranks,
