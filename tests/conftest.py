@@ -1,4 +1,5 @@
-"""Shared fixtures: a real daemon in a subprocess, and proof that nothing it started is left."""
+"""Shared fixtures: a real daemon in a subprocess, and proof that nothing it started is left; two test
+users made with useradd and a directory they can reach (tests/users.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +23,11 @@ from anyio.abc import Process
 
 from ddpd.client import AsyncClient
 from ddpd.daemon.contain.cgroups import probe
+from ddpd.daemon.contain.identity import Identity
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import EventView, JobView
+
+from .users import public_dir, two_users, user_python_for_tests
 
 REPO = Path(__file__).resolve().parent.parent
 DAEMON_START_TIMEOUT = 60
@@ -235,3 +239,36 @@ async def running_daemon(base: Path, *flags: str, state_dir: Path | None = None,
 async def daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
     async with running_daemon(short_tmp) as d:
         yield d
+
+
+def _module_tag(request: pytest.FixtureRequest) -> str:
+    """The test module's initials (test_trust_boundary: `tb`): names of its users and directories."""
+    words = request.module.__name__.rpartition(".")[2].removeprefix("test_").split("_")
+    return "".join(w[0] for w in words if w)
+
+
+@pytest.fixture(scope="module")
+def users(request: pytest.FixtureRequest) -> Iterator[tuple[Identity, Identity]]:
+    """Two users made with useradd for the module (`ddpd<tag>a...`, `ddpd<tag>b...`), removed after it,
+    who can run USER_PYTHON with this checkout (opened to them for the module)."""
+    with user_python_for_tests(), two_users(f"ddpd{_module_tag(request)}") as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def plain_users(request: pytest.FixtureRequest) -> Iterator[tuple[Identity, Identity]]:
+    """Two users made with useradd for the module, removed after it; the checkout stays as it is (a
+    checkout closed to other users stays closed to them)."""
+    with two_users(f"ddpd{_module_tag(request)}") as pair:
+        yield pair
+
+
+@pytest.fixture
+def public_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A short directory under /tmp every user can traverse (pytest's tmp_path is root's 0700): mode
+    0755, or the mode of the closest `public_tmp` mark (`pytest.mark.public_tmp(0o1777)` where the
+    users' processes write there)."""
+    mark = request.node.get_closest_marker("public_tmp")
+    mode = int(mark.args[0]) if mark is not None else 0o755
+    with public_dir(f"ddpd-{_module_tag(request)}-", mode) as path:
+        yield path

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -29,9 +29,9 @@ from ddpd.daemon.contain.identity import Identity
 from ddpd.protocol import JobSpec, JobState, Timeouts
 
 from ..conftest import REPO, DaemonProc
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.userpython import USER_PYTHON
-from .test_shared_box import pings, shared_box, submit_as, user_env
+from ..users import plain_env, submit_as
+from .test_shared_box import pings, shared_box
 
 pytestmark = [
     pytest.mark.anyio,
@@ -66,21 +66,9 @@ while True:
             print("stopped", name, flush=True)
 """
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdfz") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-fz", 0o755) as path:
-        yield path
-
-
 def quoted_spec(tag: str) -> JobSpec:
     """A one-rank script job whose exported environment is mostly single quotes."""
-    environ = user_env(**{f"Q{tag}": "'" * QUOTES})
+    environ = plain_env(**{f"Q{tag}": "'" * QUOTES})
     return JobSpec(script=[str(REPO / "tests" / "scripts" / "show_env.py")], nproc=1, workdir="/tmp",
                    python=USER_PYTHON, environ=environ, timeouts=Timeouts(join=8.0, kill_grace=1.0))
 

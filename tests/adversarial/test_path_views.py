@@ -24,27 +24,15 @@ import pytest
 from ddpd.daemon.contain.identity import Identity
 from ddpd.protocol import JobSpec, JobState
 
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.userpython import USER_PYTHON
-from .test_shared_box import TIMEOUT, pings, shared_box, submit_as, user_env
+from ..users import plain_env, submit_as
+from .test_shared_box import TIMEOUT, pings, shared_box
 
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
     pytest.mark.skipif(os.geteuid() != 0, reason="a root daemon and real users"),
 ]
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdpv") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-pv", 0o755) as path:
-        yield path
 
 
 @pytest.fixture
@@ -63,7 +51,7 @@ def roots_file() -> Iterator[Path]:
 
 def spec(*, script: list[str] | None = None, workdir: str = "/tmp") -> JobSpec:
     task = None if script is not None else "two-layer"
-    return JobSpec(task=task, script=script, nproc=1, workdir=workdir, python=USER_PYTHON, environ=user_env())
+    return JobSpec(task=task, script=script, nproc=1, workdir=workdir, python=USER_PYTHON, environ=plain_env())
 
 
 def processes_of(uid: int) -> list[int]:

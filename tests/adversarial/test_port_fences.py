@@ -18,7 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -34,13 +34,14 @@ from ddpd.protocol import JobState, RemoteError
 
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon, start_daemon, stop_daemon
 from ..faults.helpers import await_gone, become_subreaper, events_of
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.helpers import wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON
-from .test_trust_boundary import as_user_spec, assert_left_nothing, fence_rules, submit_as, user_env, wait_done
+from ..users import plain_env, submit_as
+from .test_trust_boundary import as_user_spec, assert_left_nothing, fence_rules, wait_done
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.public_tmp(0o1777),
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
     pytest.mark.skipif(os.geteuid() != 0, reason="port fences need a root daemon and real users"),
 ]
@@ -72,22 +73,10 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdpf") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-pf", 0o1777) as path:
-        yield path
-
-
 async def reaches(who: Identity, host: str, port: int) -> bool:
     """Whether a process of `who` connects to host:port."""
     done = await anyio.run_process([USER_PYTHON, "-c", REACH, host, str(port)], user=who.uid, group=who.gid,
-                                   extra_groups=[], cwd="/", env=user_env(), check=False)
+                                   extra_groups=[], cwd="/", env=plain_env(), check=False)
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode().strip() == "connected"
 
@@ -96,7 +85,7 @@ async def reaches(who: Identity, host: str, port: int) -> bool:
 async def service_of(who: Identity, host: str, port: int) -> AsyncIterator[None]:
     """A process of `who` listening on host:port for the block (ready when entered), then gone."""
     proc = await anyio.open_process([USER_PYTHON, "-c", LISTEN, host, str(port)], user=who.uid, group=who.gid,
-                                    extra_groups=[], cwd="/", env=user_env())
+                                    extra_groups=[], cwd="/", env=plain_env())
     try:
         assert proc.stdout is not None
         with anyio.fail_after(60):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import grp
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -27,10 +26,10 @@ from ddpd.daemon.contain.identity import Identity
 from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobSpec, JobState
 
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.helpers import gated, wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON
-from .test_shared_box import TIMEOUT, shared_box, submit_as, user_env
+from ..users import plain_env, submit_as
+from .test_shared_box import TIMEOUT, shared_box
 
 pytestmark = [
     pytest.mark.anyio,
@@ -39,20 +38,8 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdpg") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-pg", 0o755) as path:
-        yield path
-
-
 def spec(priority: int) -> JobSpec:
-    return JobSpec(task="two-layer", nproc=1, workdir="/tmp", python=USER_PYTHON, environ=user_env(),
+    return JobSpec(task="two-layer", nproc=1, workdir="/tmp", python=USER_PYTHON, environ=plain_env(),
                    priority=priority)
 
 

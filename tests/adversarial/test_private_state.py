@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -21,7 +20,6 @@ from ddpd.daemon.contain.identity import Identity
 from ddpd.protocol import JobState
 
 from ..conftest import running_daemon
-from ..integration.users import public_dir, two_users
 
 pytestmark = [
     pytest.mark.anyio,
@@ -31,18 +29,6 @@ pytestmark = [
 
 UMASK_022 = ("/bin/sh", "-c", 'umask 022; exec "$@"', "sh")  # the root shell that starts the daemon
 SECRET = "API_TOKEN=only-for-root-and-its-owner"
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with two_users("ddpdps") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-ps", 0o755) as path:  # every user can reach the state directory's door
-        yield path
 
 
 def _mode(path: Path) -> int:
@@ -76,8 +62,8 @@ async def _read_as(who: Identity, path: Path) -> tuple[int, str]:
 
 
 async def test_a_daemon_started_under_umask_022_keeps_its_database_root_only(
-        users: tuple[Identity, Identity], public_tmp: Path) -> None:
-    _, eve = users
+        plain_users: tuple[Identity, Identity], public_tmp: Path) -> None:
+    _, eve = plain_users
     state = public_tmp / "state"
     _left_by_a_wide_daemon(state)
     async with running_daemon(public_tmp, "--gpus", "0", state_dir=state, prefix=UMASK_022) as d:

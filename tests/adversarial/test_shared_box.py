@@ -19,13 +19,12 @@ import json
 import os
 import resource
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -35,10 +34,10 @@ from ddpd.daemon.contain.usertree import ensure_dirs
 from ddpd.protocol import JobSpec, JobState, RemoteError
 
 from ..conftest import REPO, DaemonProc, running_daemon
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..rawclient import ping_within
 from ..scripts.helpers import gated, wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON, user_pythonpath
+from ..users import plain_env, submit_as
 
 pytestmark = [
     pytest.mark.anyio,
@@ -83,32 +82,6 @@ print(json.dumps(seen), flush=True)
 sys.stdin.read()
 """
 
-# a user's submit through the Python client (this checkout on the path), the spec on stdin (a large
-# environment is past one argument's limit): the job id, or the error
-SUBMIT = r"""
-import sys
-import msgspec
-from ddpd.client import Client, RemoteError
-from ddpd.protocol import JobSpec
-try:
-    print(Client(sys.argv[1]).submit(msgspec.json.decode(sys.stdin.buffer.read(), type=JobSpec)), flush=True)
-except RemoteError as exc:
-    print("refused", exc, flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdsb") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-sb", 0o755) as path:
-        yield path
-
-
 @asynccontextmanager
 async def shared_box(base: Path, config_text: str = "", *flags: str) -> AsyncIterator[DaemonProc]:
     """A root daemon whose socket everyone may use, with a secret of its own in its environment."""
@@ -118,10 +91,6 @@ async def shared_box(base: Path, config_text: str = "", *flags: str) -> AsyncIte
                               env={"DAEMON_SECRET": "root-only"}) as d:
         yield d
         assert daemon_zombies(d.proc.pid) == []
-
-
-def user_env(**extra: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp", **extra}
 
 
 @asynccontextmanager
@@ -152,17 +121,8 @@ async def pings(who: Identity, d: DaemonProc) -> None:
             assert seen["ok"] == 1, seen
 
 
-async def submit_as(who: Identity, d: DaemonProc, spec: JobSpec) -> str:
-    """`who` submits `spec` through the Python client; the job id (or `refused ...`)."""
-    done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket)], input=msgspec.json.encode(spec),
-                                   user=who.uid, group=who.gid, extra_groups=[], cwd="/", env=user_env(),
-                                   check=False)
-    assert done.returncode == 0, done.stderr.decode()
-    return done.stdout.decode().strip()
-
-
 def script_spec(*argv: str, **kw: Any) -> JobSpec:
-    kw.setdefault("environ", user_env())
+    kw.setdefault("environ", plain_env())
     kw.setdefault("python", USER_PYTHON)
     return JobSpec(script=list(argv), nproc=1, workdir="/tmp", **kw)
 

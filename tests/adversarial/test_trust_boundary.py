@@ -19,7 +19,7 @@ import resource
 import shutil
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +27,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import msgspec
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -39,13 +38,14 @@ from ddpd.protocol.control import JobView
 
 from ..conftest import DaemonProc, assert_gone, running_daemon
 from ..faults.helpers import events_of
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..rawclient import ping_within
 from ..scripts.helpers import gated, wait_waiting_at_gate
-from ..scripts.userpython import USER_PYTHON, user_pythonpath
+from ..scripts.userpython import USER_PYTHON
+from ..users import plain_env, submit_as
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.public_tmp(0o1777),
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
     pytest.mark.skipif(os.geteuid() != 0, reason="a shared box needs a root daemon and real users"),
 ]
@@ -55,18 +55,6 @@ PING_BOUND = 5.0
 FLOOD = 1100  # connections: more than a default descriptor limit of 1024
 BIG = 8 << 20  # bytes per value
 FENCED = shutil.which("nft") is not None
-
-# a user's submit through the Python client: the job id, or `refused ...`
-SUBMIT = r"""
-import sys
-import msgspec
-from ddpd.client import Client, RemoteError
-from ddpd.protocol import JobSpec
-try:
-    print(Client(sys.argv[1]).submit(msgspec.json.decode(sys.argv[2], type=JobSpec)), flush=True)
-except RemoteError as exc:
-    print("refused", exc, flush=True)
-"""
 
 # a user's connections to a TCP port: how many were accepted and refused, as one JSON line
 CONNECT = r"""
@@ -104,18 +92,6 @@ class RunsOnUnpickle:
         return os.system, (self.command,)
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdtb") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-tb", 0o1777) as path:  # the users' processes write their proofs here
-        yield path
-
-
 def box_config(base: Path, *lines: str) -> Path:
     """The daemon's config; without nftables its multi-node jobs run only where the operator allows
     them unfenced (test_port_fences proves the refusal), so these tests allow them there."""
@@ -131,26 +107,16 @@ async def shared_box(base: Path) -> AsyncIterator[DaemonProc]:
         yield d
 
 
-def user_env() -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp"}
-
-
 def as_user_spec(d: DaemonProc, gate: Path, **kw: Any) -> JobSpec:
-    spec: JobSpec = gated(d, gate, python=USER_PYTHON, environ=user_env(), **kw)
+    spec: JobSpec = gated(d, gate, python=USER_PYTHON, environ=plain_env(), **kw)
     return spec
 
 
 async def run_as(who: Identity, *argv: str) -> str:
     done = await anyio.run_process([USER_PYTHON, *argv], user=who.uid, group=who.gid, extra_groups=[], cwd="/",
-                                   env=user_env(), check=False)
+                                   env=plain_env(), check=False)
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode().strip()
-
-
-async def submit_as(who: Identity, d: DaemonProc, spec: JobSpec) -> str:
-    out = await run_as(who, "-c", SUBMIT, str(d.socket), msgspec.json.encode(spec).decode())
-    assert not out.startswith("refused"), out
-    return out
 
 
 async def connect_as(who: Identity, port: int, n: int = 1) -> dict[str, int]:
@@ -353,7 +319,7 @@ async def test_two_daemons_on_one_host_form_one_job_and_another_users_port_is_re
 
         await a.wait_log(lambda e: e.get("event") == "nodes.agent_stopped", timeout=TIMEOUT)  # the port is free
         listener = await anyio.open_process([USER_PYTHON, "-c", LISTEN, str(port)], user=bob.uid, group=bob.gid,
-                                            extra_groups=[], cwd="/", env=user_env())
+                                            extra_groups=[], cwd="/", env=plain_env())
         try:
             assert listener.stdout is not None
             with anyio.fail_after(60):

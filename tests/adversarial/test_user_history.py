@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,10 @@ from ddpd.daemon.contain.identity import Identity
 from ddpd.protocol import JobSpec, JobState
 
 from ..conftest import DaemonProc
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.helpers import gated, wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON
-from .test_shared_box import TIMEOUT, pings, shared_box, user_env
+from ..users import plain_env
+from .test_shared_box import TIMEOUT, pings, shared_box
 
 pytestmark = [
     pytest.mark.anyio,
@@ -70,20 +69,8 @@ print(json.dumps({"ended": [*ended, first, then], "failed": str(failed.state), "
 """
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpduh") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-uh", 0o755) as path:
-        yield path
-
-
 def user_spec(blocker: str, **environ: str) -> JobSpec:
-    return JobSpec(task="two-layer", nproc=1, workdir="/tmp", python=USER_PYTHON, environ=user_env(**environ),
+    return JobSpec(task="two-layer", nproc=1, workdir="/tmp", python=USER_PYTHON, environ=plain_env(**environ),
                    after=[blocker])
 
 
@@ -158,7 +145,7 @@ async def _as(who: Identity, d: DaemonProc, spec: JobSpec, n: int) -> dict[str, 
     with anyio.fail_after(TIMEOUT):
         done = await anyio.run_process([USER_PYTHON, "-c", ANN, str(d.socket), msgspec.json.encode(spec).decode(),
                                         str(n)], user=who.uid, group=who.gid, extra_groups=[], cwd="/",
-                                       env=user_env(), check=False)
+                                       env=plain_env(), check=False)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     seen: dict[str, Any] = json.loads(done.stdout)
     return seen

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,12 @@ from ddpd.cli.web.door import PER_UID
 from ddpd.daemon.contain.identity import Identity
 
 from ..conftest import running_daemon
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..integration.webserver import web_server
 from ..scripts.userpython import USER_PYTHON, user_env
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.public_tmp(0o777),
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
     pytest.mark.skipif(os.geteuid() != 0, reason="a second, real user on the box"),
 ]
@@ -77,18 +77,6 @@ sys.stdin.read()
 
 # the owner's own request, as the owner: the status of the page at argv[1]
 FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=30).status)"
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdwd") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-wd", 0o777) as path:  # where the owner's stand-in browser writes
-        yield path
 
 
 def _open_to_everyone(base: Path) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,8 @@ from ddpd.protocol import JobSpec, JobState
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import state_is, wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON, user_pythonpath
+from ..users import submit_as
 from .test_cli import DDPCTL
-from .users import public_dir, two_users, user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,
@@ -36,45 +35,11 @@ pytestmark = [
 
 TIMEOUT = 240
 ALICE_MORE = 19  # Alice's jobs queued behind her first
-SUBMIT = r"""
-import sys
-import msgspec
-from ddpd.client import Client
-from ddpd.protocol import JobSpec
-client = Client(sys.argv[1])
-print(" ".join(client.submit(msgspec.json.decode(spec, type=JobSpec)) for spec in sys.argv[2:]), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdf") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-f", 0o755) as path:
-        yield path
-
-
 def spec(name: str, **kw: object) -> JobSpec:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp"}
     fields: dict[str, object] = {"task": "two-layer", "steps": 2, "nproc": 1, "name": name, "workdir": "/tmp",
                                  "python": USER_PYTHON, "environ": env, **kw}
     return msgspec.convert(fields, JobSpec)
-
-
-async def submit_as(who: Identity, d: DaemonProc, specs: list[JobSpec]) -> list[str]:
-    """`who` submits `specs` through the Python client, from one process of their own."""
-    encoded = [msgspec.json.encode(s).decode() for s in specs]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp"}
-    with anyio.fail_after(TIMEOUT):
-        done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket), *encoded], user=who.uid,
-                                       group=who.gid, extra_groups=[], cwd="/", env=env, check=False,
-                                       stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    return done.stdout.decode().split()
 
 
 async def ddpctl(d: DaemonProc, *args: str) -> str:
@@ -98,11 +63,11 @@ async def test_the_user_who_used_less_goes_first_and_usage_survives_a_restart(
     alice, bob = users
     gate = public_tmp / "gate"
     async with shared_daemon(public_tmp) as d:
-        first, *more = await submit_as(alice, d, [
+        first, *more = [await submit_as(alice, d, s) for s in [
             spec("a0", task="tests.scripts.gated:make_task", options={"gate": str(gate)}),
-            *(spec(f"a{i}") for i in range(1, ALICE_MORE + 1))])
+            *(spec(f"a{i}") for i in range(1, ALICE_MORE + 1))]]
         await wait_waiting_at_gate(d, first)
-        bobs = await submit_as(bob, d, [spec("b1"), spec("b2")])
+        bobs = [await submit_as(bob, d, spec(name)) for name in ("b1", "b2")]
         waiting = await d.client.status(bobs[0])
         assert waiting.state == JobState.QUEUED and waiting.queue_position == 1, waiting  # ahead of Alice's
         gate.touch()

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,11 +25,10 @@ from ddpd.daemon.contain.gate import shell_gate, shell_launch, spawn_gated
 from ddpd.daemon.contain.identity import Identity, check_interpreter
 from tests.conftest import assert_gone
 
-from .users import public_dir, two_users
-
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root"),
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
+    pytest.mark.public_tmp(0o711),  # traversable, not listable
 ]
 
 PROC_TIMEOUT = 30
@@ -57,15 +56,8 @@ ODD = {  # what a shell would read as code, were it not quoted
 
 
 @pytest.fixture(scope="module")
-def ann() -> Iterator[Identity]:
-    with two_users("ddpdq") as (a, _):
-        yield a
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-gate-", 0o711) as path:
-        yield path
+def ann(plain_users: tuple[Identity, Identity]) -> Identity:
+    return plain_users[0]
 
 
 def gated(argv: list[str], env: dict[str, str], cwd: str, who: Identity | None, shell: bool,

@@ -13,7 +13,6 @@ event sets deliver the Xid and ECC events a test appends to its file), real CPU 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -27,25 +26,12 @@ from ..fakenvml.pynvml import add_event
 from ..scripts.helpers import gated, rank_reports, state_is, wait_waiting_at_gate
 from .test_gpu_placement import UUIDS, _scrape, fake_gpu_daemon, nvml_state, shown
 from .test_identity import as_user
-from .users import public_dir, two_users, user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.xdist_group("users"),
     pytest.mark.skipif(os.geteuid() != 0, reason="another user's refused release needs root (useradd)"),
 ]
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdg") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-g", 0o755) as path:
-        yield path
 
 
 async def test_an_xid_quarantines_the_gpu_moves_the_job_and_only_an_admin_releases_it(

@@ -14,7 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from ddpd.daemon.contain.identity import Identity
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
 from ..scripts.userpython import USER_PYTHON, user_env
-from .users import public_dir, two_users, user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,
@@ -37,19 +36,6 @@ pytestmark = [
 
 SHOW = str(REPO / "tests" / "scripts" / "show_identity.py")
 TIMEOUT = 180
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdw") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    """A short directory every user can traverse (the socket and the wrapper live there)."""
-    with public_dir("ddpd-w", 0o755) as path:
-        yield path
 
 
 @asynccontextmanager
@@ -79,7 +65,8 @@ async def as_user(who: Identity, d: DaemonProc, *args: str, **env: str) -> subpr
                                        env=user_env(HOME="/tmp", COLUMNS="200", **env))
 
 
-async def submit_as(who: Identity, d: DaemonProc, *args: str, **env: str) -> str:
+async def ddpctl_submit_as(who: Identity, d: DaemonProc, *args: str, **env: str) -> str:
+    """`ddpctl submit ARGS` run as `who`: the job id it printed."""
     done = await as_user(who, d, "submit", *args, **env)
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode().strip()
@@ -97,7 +84,7 @@ async def test_ranks_run_as_the_submitter_in_their_environment(
     async with shared_daemon(public_tmp) as d:
         umask = os.umask(0o027)  # ddpctl sends its shell's umask: the ranks run with it
         try:
-            job_id = await submit_as(ann, d, "--nproc", "2", "--python", python, "--env", "EXTRA_SETTING=pair",
+            job_id = await ddpctl_submit_as(ann, d, "--nproc", "2", "--python", python, "--env", "EXTRA_SETTING=pair",
                                      "--", SHOW, MY_SETTING="hello")
         finally:
             os.umask(umask)
@@ -158,7 +145,7 @@ async def test_other_users_see_that_a_job_exists_and_nothing_more(
 ) -> None:
     ann, bob = users
     async with shared_daemon(public_tmp) as d:
-        job_id = await submit_as(ann, d, "--name", "ann-secret-name", "--python", USER_PYTHON,
+        job_id = await ddpctl_submit_as(ann, d, "--name", "ann-secret-name", "--python", USER_PYTHON,
                                  "--env", "EXTRA_SETTING=ann-token", "--", SHOW, "--secret-arg",
                                  MY_SETTING="exported-token")
         with anyio.fail_after(TIMEOUT):
@@ -211,7 +198,7 @@ async def test_the_pool_keeps_a_users_shape_warm_and_serves_no_one_else(
     async with shared_daemon(public_tmp, "--pool-size", "2", config_text="pool_per_key = 1\n") as d:
         runs: list[tuple[str, dict[str, Any], list[Any]]] = []
         for who in (ann, bob, ann):
-            job_id = await submit_as(who, d, "--python", USER_PYTHON, "--", SHOW, MY_SETTING="hello")
+            job_id = await ddpctl_submit_as(who, d, "--python", USER_PYTHON, "--", SHOW, MY_SETTING="hello")
             with anyio.fail_after(TIMEOUT):
                 view = await d.client.wait(job_id)
             assert view.state == "SUCCEEDED", view.root_cause
@@ -268,7 +255,7 @@ async def test_a_per_user_daemon_serves_its_own_user_only(
             with pytest.raises(RemoteError) as refused:
                 await d.client.submit(JobSpec(task="two-layer"))
             assert refused.value.code == "permission_denied"
-            job_id = await submit_as(ann, d, "--python", USER_PYTHON, "--", SHOW)
+            job_id = await ddpctl_submit_as(ann, d, "--python", USER_PYTHON, "--", SHOW)
             done = await as_user(ann, d, "wait", job_id, "-o", "json")
             assert json.loads(done.stdout)["state"] == "SUCCEEDED", done.stdout.decode()
             done = await as_user(ann, d, "logs", job_id, "--no-prefix")

@@ -26,29 +26,15 @@ from ddpd.daemon.contain.identity import Identity, check_interpreter, popen_kwar
 from ddpd.daemon.contain.usertree import create_user_file, ensure_base, job_dir
 from tests.conftest import assert_gone
 
-from .users import public_dir, two_users
-
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="acting as other users needs root"),
     pytest.mark.xdist_group("users"),  # useradd/userdel lock /etc/passwd: one worker at a time
+    pytest.mark.public_tmp(0o711),  # traversable, not listable
 ]
 
 PROC_TIMEOUT = 30
 SYSTEM_PYTHON = "/usr/bin/python3.11"
 VENV_PYTHON = sys.executable  # the suite's own interpreter (a venv under /root, mode 0700, on CI)
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with two_users("ddpdt") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    """A directory every user can traverse (pytest's tmp_path is root's 0700)."""
-    with public_dir("ddpd-id-", 0o711) as path:
-        yield path
 
 
 @pytest.fixture
@@ -103,8 +89,8 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
     assert_gone(proc.pid)
 
 
-def test_popen_kwargs_run_a_process_as_the_user(users: tuple[Identity, Identity]) -> None:
-    ann, _ = users
+def test_popen_kwargs_run_a_process_as_the_user(plain_users: tuple[Identity, Identity]) -> None:
+    ann, _ = plain_users
     env = {**ann.identity_env(), "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen(["/bin/sleep", "60"], env=env, cwd="/", **popen_kwargs(ann))
     try:
@@ -116,9 +102,9 @@ def test_popen_kwargs_run_a_process_as_the_user(users: tuple[Identity, Identity]
 
 
 def test_the_user_tree_is_the_users_and_closed_to_another(
-    users: tuple[Identity, Identity], public_tmp: Path
+    plain_users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:
-    ann, bob = users
+    ann, bob = plain_users
     state = public_tmp / "state"
     ensure_base(state)
     (state / "ddpd.db").write_bytes(b"daemon's own\n")
@@ -145,9 +131,9 @@ def test_the_user_tree_is_the_users_and_closed_to_another(
 
 
 def test_check_interpreter_refuses_a_python_the_user_cannot_reach(
-    users: tuple[Identity, Identity], public_tmp: Path
+    plain_users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:
-    ann, _ = users
+    ann, _ = plain_users
     closed = public_tmp / "closed"
     closed.mkdir(mode=0o700)
     shutil.copy2(SYSTEM_PYTHON, closed / "python3")
@@ -156,8 +142,8 @@ def test_check_interpreter_refuses_a_python_the_user_cannot_reach(
     assert f"is not executable by user {ann.name} (uid {ann.uid})" in reason
 
 
-def test_check_interpreter_refuses_the_daemons_venv_behind_roots_home(users: tuple[Identity, Identity]) -> None:
-    ann, _ = users
+def test_check_interpreter_refuses_the_daemons_venv_behind_roots_home(plain_users: tuple[Identity, Identity]) -> None:
+    ann, _ = plain_users
     target = Path(VENV_PYTHON).resolve()
     if not Path(VENV_PYTHON).exists() or not any(
         (p.stat().st_mode & 0o001) == 0 for p in target.parents if p != Path("/")
@@ -167,8 +153,8 @@ def test_check_interpreter_refuses_the_daemons_venv_behind_roots_home(users: tup
     assert reason is not None and "is not executable by user" in reason
 
 
-def test_check_interpreter_names_the_module_the_user_lacks(users: tuple[Identity, Identity]) -> None:
-    ann, _ = users
+def test_check_interpreter_names_the_module_the_user_lacks(plain_users: tuple[Identity, Identity]) -> None:
+    ann, _ = plain_users
     if subprocess.run([SYSTEM_PYTHON, "-c", "import torch, ddpd.worker"], capture_output=True,
                       env={"PATH": "/usr/bin:/bin"}, check=False).returncode == 0:
         pytest.skip(f"{SYSTEM_PYTHON} has torch and ddpd here")
@@ -184,9 +170,9 @@ def test_check_interpreter_accepts_the_daemons_own_python_for_root() -> None:
 
 
 def test_gate_places_the_rank_before_it_runs_then_drops_to_the_user(
-    users: tuple[Identity, Identity], cgroup_base: Path, public_tmp: Path
+    plain_users: tuple[Identity, Identity], cgroup_base: Path, public_tmp: Path
 ) -> None:
-    ann, _ = users
+    ann, _ = plain_users
     state = public_tmp / "state"
     ensure_base(state)
     workdir = job_dir(state, ann, "j-1")
@@ -243,9 +229,9 @@ time.sleep(600)
 
 
 def test_cgroup_kill_ends_a_setsid_double_forked_escapee(
-    users: tuple[Identity, Identity], cgroup_base: Path, subreaper: None
+    plain_users: tuple[Identity, Identity], cgroup_base: Path, subreaper: None
 ) -> None:
-    ann, _ = users
+    ann, _ = plain_users
     subtree = prepare_subtree(cgroup_base, "test")
     cg = AttemptCgroup.create(subtree.jobs, "j-2-a1")
     proc = spawn_gated([SYSTEM_PYTHON, "-c", ESCAPE], {"PATH": "/usr/bin:/bin"}, "/", ann, cg.add,
@@ -346,10 +332,10 @@ def test_prepare_subtree_at_the_root_moves_nobody(cgroup_base: Path) -> None:
 
 
 def test_gate_enters_the_working_directory_as_the_user(
-    users: tuple[Identity, Identity], cgroup_base: Path, public_tmp: Path
+    plain_users: tuple[Identity, Identity], cgroup_base: Path, public_tmp: Path
 ) -> None:
     """Popen's cwd= would chdir as root, letting a job start inside a directory closed to its user."""
-    ann, _ = users
+    ann, _ = plain_users
     closed = public_tmp / "roots"
     closed.mkdir(mode=0o700)
     marker = public_tmp / "ran"
@@ -365,9 +351,9 @@ def test_gate_enters_the_working_directory_as_the_user(
 
 
 def test_check_interpreter_leaves_nothing_of_the_user_behind(
-    users: tuple[Identity, Identity], public_tmp: Path, subreaper: None
+    plain_users: tuple[Identity, Identity], public_tmp: Path, subreaper: None
 ) -> None:
-    ann, _ = users
+    ann, _ = plain_users
     python = public_tmp / "python"
     pidfile = public_tmp / "child.pid"
     pidfile.touch()

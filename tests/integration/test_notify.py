@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -23,26 +22,14 @@ from ..conftest import REPO, assert_nothing_left, running_daemon
 from ..scripts.helpers import SCRIPTS
 from ..scripts.userpython import USER_PYTHON
 from .test_identity import as_user
-from .users import public_dir, two_users, user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,
+    pytest.mark.public_tmp(0o777),
     pytest.mark.xdist_group("users"),
     pytest.mark.skipif(os.geteuid() != 0, reason="hooks run as the submitter: needs root and useradd"),
 ]
 TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdn") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-n", 0o777) as path:
-        yield path
 
 
 def _png_of(path: Path) -> int:

@@ -21,7 +21,7 @@ from ddpd.protocol import JobState
 from ..conftest import REPO, DaemonProc, running_daemon
 from ..scripts.helpers import gated, wait_waiting_at_gate
 from ..scripts.userpython import USER_PYTHON, user_env
-from .users import user_python_for_tests
+from ..users import user_python_for_tests
 
 pytestmark = [
     pytest.mark.anyio,

@@ -21,7 +21,7 @@ from ddpd.client import MAX_WORLD
 
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
 from ..scripts.helpers import gated, wait_state, wait_waiting_at_gate
-from .users import user_python_for_tests
+from ..users import user_python_for_tests
 from .webserver import DDPCTL, WebServer, web_server
 
 pytestmark = pytest.mark.anyio

@@ -20,15 +20,12 @@ fails the soak; pooled scripts also hung at exit there, about one run in ten to 
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import pytest
 
 from ddpd.daemon.contain.identity import Identity
@@ -36,9 +33,9 @@ from ddpd.protocol import JobSpec, JobState
 from ddpd.protocol.control import JobView
 
 from ..conftest import DaemonProc, assert_nothing_left, running_daemon
-from ..integration.users import public_dir, two_users, user_python_for_tests
 from ..scripts.helpers import SCRIPTS, state_is
 from ..scripts.userpython import USER_PYTHON, user_pythonpath
+from ..users import submit_as
 
 pytestmark = [
     pytest.mark.anyio,
@@ -66,28 +63,6 @@ SHAPES: list[tuple[str, dict[str, Any]]] = [
 USER_JOBS = 2  # per user
 SPECIAL = 3  # the crash, the cancel, the restart
 ROOT_JOBS = JOBS - 2 * USER_JOBS - SPECIAL
-SUBMIT = r"""
-import sys
-import msgspec
-from ddpd.client import Client
-from ddpd.protocol import JobSpec
-client = Client(sys.argv[1])
-print(" ".join(client.submit(msgspec.json.decode(spec, type=JobSpec)) for spec in sys.argv[2:]), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[Identity, Identity]]:
-    with user_python_for_tests(), two_users("ddpdk") as pair:
-        yield pair
-
-
-@pytest.fixture
-def public_tmp() -> Iterator[Path]:
-    with public_dir("ddpd-k", 0o755) as path:
-        yield path
-
-
 def default_daemon(base: Path) -> Any:
     """The default configuration (pool on) with a socket every user may use."""
     config = base / "ddpd.toml"
@@ -99,18 +74,6 @@ def user_spec(n: int) -> JobSpec:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp"}
     script = [f"{S}/tiny_loop.py", "20", "16", "4", "1"] if n % 2 else [f"{S}/no_join.py"]
     return JobSpec(script=script, nproc=1, workdir="/tmp", python=USER_PYTHON, environ=env)
-
-
-async def submit_as(who: Identity, d: DaemonProc, specs: list[JobSpec]) -> list[str]:
-    """`who` submits `specs` through the Python client, from a process of their own."""
-    encoded = [msgspec.json.encode(s).decode() for s in specs]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp"}
-    with anyio.fail_after(JOB_WAIT):
-        done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket), *encoded], user=who.uid,
-                                       group=who.gid, extra_groups=[], cwd="/", env=env, check=False,
-                                       stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    return done.stdout.decode().split()
 
 
 async def wait_at_gate(d: DaemonProc, job_id: str, ranks: int) -> None:
@@ -160,7 +123,7 @@ async def test_sixty_jobs_through_the_default_path(users: tuple[Identity, Identi
         async with default_daemon(public_tmp) as d:
             async with anyio.create_task_group() as tg:
                 async def users_submit(who: Identity) -> None:
-                    for job_id in await submit_as(who, d, [user_spec(n) for n in range(USER_JOBS)]):
+                    for job_id in [await submit_as(who, d, user_spec(n)) for n in range(USER_JOBS)]:
                         expected[job_id], labels[job_id] = JobState.SUCCEEDED, f"uid {who.uid}"
 
                 tg.start_soon(users_submit, ann)

@@ -8,7 +8,7 @@ import functools
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -314,18 +314,22 @@ async def test_a_bad_write_in_a_batch_fails_alone(journal: Journal) -> None:
     assert len(await journal.list_events(job.id, 0, 100)) == 40 and journal.failed_writes == 0
 
 
-async def test_a_writer_cancelled_while_committing_leaves_the_others_writes_to_the_next(journal: Journal,
-                                                                                      db: StateDB) -> None:
-    job = make_job()
-    await journal.create_job(job)
-    holder = locked(db.path)  # the first write fails and pauses before its retry: there it is cancelled
+async def test_a_writer_cancelled_while_committing_leaves_the_others_writes_to_the_next(db: StateDB) -> None:
     paused = anyio.Event()
 
     async def pause(_: float) -> None:
         paused.set()
         await anyio.sleep_forever()
 
-    journal._sleep = pause
+    pauses: list[Callable[[float], Awaitable[None]]] = [pause]  # the first retry's pause, then none
+
+    async def sleep(seconds: float) -> None:
+        await pauses[-1](seconds)
+
+    journal = Journal(db, EventBus(), retries=(0.0, 0.0), sleep=sleep)
+    job = make_job()
+    await journal.create_job(job)
+    holder = locked(db.path)  # the first write fails and pauses before its retry: there it is cancelled
     leader = anyio.CancelScope()
 
     async def first() -> None:
@@ -338,23 +342,22 @@ async def test_a_writer_cancelled_while_committing_leaves_the_others_writes_to_t
             await paused.wait()
         tg.start_soon(functools.partial(journal.event, job, "second"))  # queued behind the batch under way
         await anyio.wait_all_tasks_blocked()
-        journal._sleep = no_sleep
+        pauses.append(no_sleep)
         holder.rollback()
         holder.close()
         leader.cancel()  # the second writer takes over: its write and the cancelled one go in
     assert [e.kind for e in await journal.list_events(job.id, 0, 10)] == ["first", "second"]
 
 
-async def test_events_reach_followers_in_stamp_order_live_ones_too(journal: Journal, db: StateDB) -> None:
+async def test_events_reach_followers_in_stamp_order_live_ones_too(db: StateDB) -> None:
     """Bug: a live (never stored) progress event made while a stored one was being committed was
     published first: a follower saw stamps go back. Now each waits for the ones stamped before it."""
+    journal = Journal(db, EventBus(), retries=(0.05,) * 20, sleep=lambda _: anyio.sleep(0.01))
     job = make_job()
     await journal.create_job(job)
     seen: list[tuple[float, str, int | None]] = []
     journal.bus.listen(lambda e: seen.append((e.ts, e.kind, e.rank)))
     holder = locked(db.path)  # the stored event's commit waits for the lock: the live ones come meanwhile
-    journal._sleep = lambda _: anyio.sleep(0.01)
-    journal._retries = (0.05,) * 20
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

@@ -1,5 +1,6 @@
 """Test users made for a module with useradd (as root) and removed afterwards; a directory they can reach;
-this checkout opened to them for the block (CI clones where other users cannot traverse)."""
+this checkout opened to them for the block (CI clones where other users cannot traverse); a submit as
+one of them. The fixtures over these (`users`, `plain_users`, `public_tmp`) are in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -12,12 +13,32 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import anyio
+import msgspec
 import pytest
 
 from ddpd.daemon.contain.identity import Identity
+from ddpd.protocol import JobSpec
 
-from ..scripts.userpython import REPO, USER_PYTHON, user_pythonpath, why_unusable
+from .scripts.userpython import REPO, USER_PYTHON, user_pythonpath, why_unusable
+
+if TYPE_CHECKING:  # conftest imports this module for its fixtures
+    from .conftest import DaemonProc
+
+SUBMIT_TIMEOUT = 120
+# a user's submit through the Python client, the spec on stdin: the job id, or `refused <code>: <message>`
+SUBMIT = r"""
+import sys
+import msgspec
+from ddpd.client import Client, RemoteError
+from ddpd.protocol import JobSpec
+try:
+    print(Client(sys.argv[1]).submit(msgspec.json.decode(sys.stdin.buffer.read(), type=JobSpec)), flush=True)
+except RemoteError as exc:
+    print("refused", exc, flush=True)
+"""
 
 
 def _useradd(name: str) -> Identity:
@@ -84,3 +105,19 @@ def user_python_for_tests() -> Iterator[None]:
         if (why := why_unusable()) is not None:
             pytest.fail(f"the test users cannot use this checkout: {why}")
         yield
+
+
+def plain_env(**extra: str) -> dict[str, str]:
+    """What a test user's own processes get: a plain PATH, this checkout on PYTHONPATH, HOME=/tmp."""
+    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "HOME": "/tmp", **extra}
+
+
+async def submit_as(who: Identity, d: DaemonProc, spec: JobSpec) -> str:
+    """`who` submits `spec` through the Python client, from a process of their own (USER_PYTHON, the
+    spec on its stdin, so a large environment fits): the job id, or `refused <code>: <message>`."""
+    with anyio.fail_after(SUBMIT_TIMEOUT):
+        done = await anyio.run_process([USER_PYTHON, "-c", SUBMIT, str(d.socket)], input=msgspec.json.encode(spec),
+                                       user=who.uid, group=who.gid, extra_groups=[], cwd="/", env=plain_env(),
+                                       check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return done.stdout.decode().strip()
