@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 import structlog
 
-from ddpd.daemon.config import Config, ConfigError, check_config, load_config
+from ddpd.cli.specs import TIMEOUT_OPTIONS, spec_from_options
+from ddpd.daemon.config import Config, ConfigError, JobTimeouts, check_config, load_config, reloaded, restart_only
+from ddpd.protocol import Timeouts
 
 
 def _load(tmp_path: Path, text: str, **overrides: object) -> Config:
@@ -133,3 +136,37 @@ def test_a_loaded_config_checks_again(tmp_path: Path) -> None:
     secret.write_text("tok")
     secret.chmod(0o600)
     check_config(_load(tmp_path, f'metrics_listen = "0.0.0.0:9464"\nmetrics_token_file = "{secret}"'))
+
+
+def test_config_file_is_not_a_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'config_file'"):
+        _load(tmp_path, 'config_file = "/etc/other.toml"')
+
+
+def test_a_reload_keeps_the_restart_only_keys_and_names_them(tmp_path: Path) -> None:
+    """The keys a reload cannot change are the fields marked RESTART (one declaration, no second list)."""
+    assert set(restart_only()) == {"socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format",
+                                   "metrics_listen", "metrics_token", "metrics_public", "pool_size", "pool_per_key",
+                                   "pool_idle_expiry", "cgroup", "nft_library"}
+    old = Config(state_dir=tmp_path / "a", socket=tmp_path / "s")
+    new = Config(state_dir=tmp_path / "b", socket=tmp_path / "s", max_running=3, pool_size=0,
+                 defaults=JobTimeouts(join=7.0))
+    applied, changed, ignored = reloaded(old, new)
+    assert applied.state_dir == tmp_path / "a" and applied.pool_size == old.pool_size
+    assert applied.max_running == 3 and applied.defaults.join == 7.0
+    assert changed == ["defaults", "max_running"] and sorted(ignored) == ["pool_size", "state_dir"]
+
+
+def test_the_timeouts_are_one_declaration() -> None:
+    """A job's timeouts (protocol), the [defaults] table (config) and the resolved timeouts share one type."""
+    assert Config().defaults == JobTimeouts()
+    assert Timeouts.__struct_fields__ == JobTimeouts.__struct_fields__
+    assert JobTimeouts().resolve(Timeouts(join=1.0, wall=9.0)) == JobTimeouts(join=1.0, wall=9.0)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.join"):
+        msgspec.convert({"join": 0}, Timeouts)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.join"):
+        msgspec.convert({"join": 0}, JobTimeouts)
+    # ddpctl submit's options are made from the same keys
+    assert tuple(TIMEOUT_OPTIONS) == Timeouts.__struct_fields__
+    spec = spec_from_options({"join_timeout": 5.0, "wall_time": 60.0, "kill_grace": 2.0}, ())
+    assert spec.timeouts == Timeouts(join=5.0, wall=60.0, kill_grace=2.0)

@@ -42,7 +42,7 @@ def running(resources: Resources, *jobs_since: tuple[Job, float]) -> list[Runnin
 
 
 def cfg(**kw: object) -> Config:
-    return dataclasses.replace(Config(), **kw)  # type: ignore[arg-type]
+    return Config(**kw)  # type: ignore[arg-type]
 
 
 def kinds(decisions: list[decide.Decision]) -> list[tuple[str, str]]:

@@ -26,14 +26,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
-_TIMEOUTS = {
-    "join_timeout": "join",
-    "heartbeat_timeout": "heartbeat",
-    "progress_timeout": "progress",
-    "wall_time": "wall",
-    "kill_grace": "kill_grace",
-    "stop_warning": "stop_warning",
+# the submit option of each key of Timeouts (protocol.timeouts declares the keys and their bounds)
+TIMEOUT_OPTIONS: dict[str, tuple[str, str]] = {
+    "join": ("--join-timeout", "Seconds for every rank to join."),
+    "heartbeat": ("--heartbeat-timeout", "Seconds without any frame from a rank before it counts as hung."),
+    "progress": ("--progress-timeout", "Seconds without a step before the job counts as hung."),
+    "wall": ("--wall-time", "Wall-clock limit of the job in seconds."),
+    "kill_grace": ("--kill-grace", "Seconds between SIGTERM and SIGKILL."),
+    "stop_warning": ("--stop-warning", "Seconds before the wall time at which ranks are asked to checkpoint and stop."),
 }
+_TIMEOUTS = {flag[2:].replace("-", "_"): key for key, (flag, _) in TIMEOUT_OPTIONS.items()}  # click's name: key
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
           "max_restarts", "hot_replace", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint",
@@ -102,12 +104,7 @@ _OPTIONS: list[Callable[[F], F]] = [
                  help="GPUs per rank: a whole number, or a fraction below 1 (0.5: two ranks share a GPU)."),
     click.option("--steps", type=int, default=None, metavar="N", help="Training steps of a built-in task."),
     click.option("--seed", type=int, default=None, metavar="N"),
-    _seconds("--join-timeout", "Seconds for every rank to join."),
-    _seconds("--heartbeat-timeout", "Seconds without any frame from a rank before it counts as hung."),
-    _seconds("--progress-timeout", "Seconds without a step before the job counts as hung."),
-    _seconds("--wall-time", "Wall-clock limit of the job in seconds."),
-    _seconds("--kill-grace", "Seconds between SIGTERM and SIGKILL."),
-    _seconds("--stop-warning", "Seconds before the wall time at which ranks are asked to checkpoint and stop."),
+    *(_seconds(flag, help) for flag, help in TIMEOUT_OPTIONS.values()),
     click.option("--max-restarts", type=int, default=None, metavar="N"),
     click.option("--hot-replace", type=int, default=None, metavar="N",
                  help="Ranks of a built-in task that may die and be replaced in place while the others keep "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import os
@@ -20,7 +19,7 @@ from anyio.abc import SocketListener, TaskStatus
 from .. import __version__
 from ..protocol import PROTOCOL_VERSION, JobState
 from ..protocol.control import DaemonInfo
-from .config import Config, ConfigError, load_config, parse_listen
+from .config import Config, ConfigError, load_config, parse_listen, reloaded
 from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe, remove_emptied
 from .contain.portfence import daemon_tag, fences
 from .contain.procs import set_child_subreaper
@@ -46,11 +45,6 @@ from .store.private import DAEMON_UMASK, private_umask
 from .store.state import StateDB
 
 log = structlog.get_logger("ddpd")
-
-# keys a reload cannot change: they are bound or opened once at start
-_RESTART_ONLY = ("socket", "state_dir", "socket_mode", "socket_group", "gpus", "log_format", "metrics_listen",
-                 "metrics_token", "metrics_public", "pool_size", "pool_per_key", "pool_idle_expiry", "cgroup",
-                 "nft_library")
 
 
 async def _gpus(configured: int | None) -> list[GpuInfo]:
@@ -111,9 +105,7 @@ class Daemon:
             raise
         finally:
             self.notifier.send("READY=1")  # a reload ends (failed or not): systemctl reload returns
-        ignored = [k for k in _RESTART_ONLY if getattr(new, k) != getattr(old, k)]
-        new = dataclasses.replace(new, **{k: getattr(old, k) for k in _RESTART_ONLY})
-        changed = sorted(f.name for f in dataclasses.fields(Config) if getattr(new, f.name) != getattr(old, f.name))
+        new, changed, ignored = reloaded(old, new)  # the keys marked RESTART keep their old value
         self.config = new
         if self.scheduler is not None:
             self.scheduler.reconfigure(new)

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .nodes import MAX_NODES, check_run_id, parse_endpoint, parse_nnodes
+from .timeouts import Timeouts
 from .worker import is_reserved_env
 
 BUILTIN_TASKS = frozenset({"two-layer", "mlp"})
@@ -67,19 +68,7 @@ def current_umask() -> int:
 
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
-Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
 OptionValue = Annotated[str, msgspec.Meta(max_length=MAX_OPTION_TEXT)] | Int64 | float | bool
-
-
-class Timeouts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """Per-job timeouts in seconds; None takes the daemon's default."""
-
-    join: Seconds | None = None
-    heartbeat: Seconds | None = None
-    progress: Seconds | None = None
-    wall: Seconds | None = None
-    kill_grace: Seconds | None = None
-    stop_warning: Seconds | None = None
 
 
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
