@@ -1,4 +1,4 @@
-"""A job's training curve through the real CLI against a real daemon: `metrics` (json, csv), `plot` in the
+"""A job's training curve through the real CLI against a real daemon: `curve` (json, csv), `plot` in the
 terminal and as a PNG, `watch`'s progress line, and the curve after a daemon restart."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ async def test_curve_of_a_real_job_through_the_cli(short_tmp: Path) -> None:
         job = await d.run(d.spec(task="tests.tasks:slow", nproc=2, steps=STEPS, options={"step_sleep": 0.03}))
         assert job.state == "SUCCEEDED", job
 
-        done = await ddpctl(d, "metrics", job.id, "-o", "json")
+        done = await ddpctl(d, "curve", job.id, "-o", "json")
         assert done.returncode == 0, err(done)
         data = json.loads(out(done))
         points = data["points"]
@@ -55,10 +55,12 @@ async def test_curve_of_a_real_job_through_the_cli(short_tmp: Path) -> None:
         assert points[0]["loss"] > 2 * points[-1]["loss"] > 0  # two-layer's MSE falls (its sum went to -1108)
         assert all(p["steps_per_second"] is None or p["steps_per_second"] < 60 for p in points), points
 
-        done = await ddpctl(d, "metrics", job.id, "-o", "csv")
+        done = await ddpctl(d, "curve", job.id, "-o", "csv")
         rows = list(csv.DictReader(io.StringIO(out(done))))
         assert done.returncode == 0 and [int(r["step"]) for r in rows] == steps
         assert list(rows[0]) == ["time", "step", "loss", "steps_per_second"]
+        old_name = await ddpctl(d, "metrics", job.id, "-o", "csv")  # the command's former name still works
+        assert old_name.returncode == 0 and out(old_name) == out(done), err(old_name)
 
         done = await ddpctl(d, "plot", job.id)
         assert done.returncode == 0, err(done)
@@ -75,12 +77,12 @@ async def test_curve_of_a_real_job_through_the_cli(short_tmp: Path) -> None:
         done = await ddpctl(d, "watch", job.id)  # a final job: one view, then its end
         assert "steps/s" in out(done) and "loss" in out(done)
 
-        missing = await ddpctl(d, "metrics", "j999-none")
+        missing = await ddpctl(d, "curve", "j999-none")
         assert missing.returncode == 1 and "not_found" in err(missing)
 
     async with running_daemon(short_tmp, state_dir=state) as d:  # the curve outlives the daemon
-        done = await ddpctl(d, "metrics", job.id, "-o", "json")
+        done = await ddpctl(d, "curve", job.id, "-o", "json")
         assert done.returncode == 0, err(done)
         assert [p["step"] for p in json.loads(out(done))["points"]] == steps
         assert (await ddpctl(d, "rm", job.id)).returncode == 0
-        assert (await ddpctl(d, "metrics", job.id)).returncode == 1
+        assert (await ddpctl(d, "curve", job.id)).returncode == 1

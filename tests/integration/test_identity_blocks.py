@@ -23,7 +23,7 @@ import pytest
 from ddpd.daemon.contain.cgroups import AttemptCgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
 from ddpd.daemon.contain.gate import spawn_gated
 from ddpd.daemon.contain.identity import Identity, check_interpreter, popen_kwargs
-from ddpd.daemon.contain.usertree import create_user_file, ensure_base, job_dir
+from ddpd.daemon.contain.usertree import create_user_file, ensure_base, ensure_job_dir
 from tests.conftest import assert_gone
 
 pytestmark = [
@@ -109,7 +109,7 @@ def test_the_user_tree_is_the_users_and_closed_to_another(
     ensure_base(state)
     (state / "ddpd.db").write_bytes(b"daemon's own\n")
     (state / "ddpd.db").chmod(0o600)
-    path = job_dir(state, ann, "j-1")
+    path = ensure_job_dir(state, ann, "j-1")
     fd = create_user_file(state, ann, "jobs", "j-1", name="rank-0.log")
     os.write(fd, b"ann's secret\n")
     os.close(fd)
@@ -175,7 +175,7 @@ def test_gate_places_the_rank_before_it_runs_then_drops_to_the_user(
     ann, _ = plain_users
     state = public_tmp / "state"
     ensure_base(state)
-    workdir = job_dir(state, ann, "j-1")
+    workdir = ensure_job_dir(state, ann, "j-1")
     cg = AttemptCgroup.create(cgroup_base, "j-1-a1")
     script = 'pwd; echo "$HOME $MY_SETTING"; grep ^0:: /proc/self/cgroup; echo ready; exec /bin/sleep 60'
     env = {**ann.identity_env(), "PATH": "/usr/bin:/bin", "MY_SETTING": "hello"}

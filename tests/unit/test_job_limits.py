@@ -8,17 +8,17 @@ from pathlib import Path
 import click
 import pytest
 
-from ddpd.cli.specs import parse_size
+from ddpd.cli.specs import parse_bytes
 from ddpd.client import JobSpec, SpecError, build_spec
 from ddpd.daemon.contain.cgroups import AttemptCgroup, Subtree
 from ddpd.daemon.contain.joblimits import apply_limits, wanted
 
 
 def test_sizes_are_read_as_people_write_them() -> None:
-    assert parse_size("512M") == 512 << 20 and parse_size("8G") == 8 << 30 and parse_size("1.5GiB") == 3 << 29
-    assert parse_size("4096") == 4096 and parse_size("2k") == 2048
+    assert parse_bytes("512M") == 512 << 20 and parse_bytes("8G") == 8 << 30 and parse_bytes("1.5GiB") == 3 << 29
+    assert parse_bytes("4096") == 4096 and parse_bytes("2k") == 2048
     with pytest.raises(click.BadParameter, match="a size such as 512M"):
-        parse_size("lots")
+        parse_bytes("lots")
 
 
 def test_limits_are_bounded_at_the_door() -> None:

@@ -9,17 +9,17 @@ import click
 import pytest
 
 from ddpd.cli.commands import submit
-from ddpd.cli.jobfile import MAX_JOB_FILE, JobFileError, job_defaults, read_job_file
+from ddpd.cli.jobfile import MAX_JOB_FILE, BadJobFile, job_defaults, load_job_file
 
 
 def defaults(tmp_path: Path, text: str) -> tuple[dict[str, object], list[str]]:
     path = tmp_path / "job.toml"
     path.write_text(text)
-    return job_defaults(submit, path, read_job_file(path))
+    return job_defaults(submit, path, load_job_file(path))
 
 
 def error_of(tmp_path: Path, text: str) -> str:
-    with pytest.raises(JobFileError) as info:
+    with pytest.raises(BadJobFile) as info:
         defaults(tmp_path, text)
     return info.value.format_message()
 
@@ -66,8 +66,8 @@ def test_a_bad_key_or_value_is_named(tmp_path: Path, text: str, message: str) ->
 
 def test_files_that_are_not_plain_bounded_files_are_refused(tmp_path: Path) -> None:
     def refused(path: Path) -> str:
-        with pytest.raises(JobFileError) as info:
-            read_job_file(path)
+        with pytest.raises(BadJobFile) as info:
+            load_job_file(path)
         return info.value.format_message()
 
     assert "no such file" in refused(tmp_path / "missing.toml")

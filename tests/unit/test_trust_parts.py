@@ -13,7 +13,7 @@ import pytest
 
 from ddpd.daemon.contain import portfence
 from ddpd.daemon.contain.nftables import NftError
-from ddpd.daemon.contain.portfence import Fence, FenceError, PortOwner, daemon_tag, match_text, rule_text, sweep
+from ddpd.daemon.contain.portfence import Fence, FenceError, PortOwner, daemon_tag, match_text, rule_text, sweep_fences
 from ddpd.daemon.multinode.elastic import Holder, NodeError, check_endpoint, joinable, listening_inodes, port_holders
 from ddpd.daemon.run import rendezvous
 from ddpd.daemon.run.rendezvous import RendezvousError, open_rendezvous
@@ -49,7 +49,7 @@ LIVE_PID, DEAD_PID = 100, 200
 
 
 class FakeNft:
-    """libnftables over a ruleset given as text: what `sweep` lists, and the commands it ran."""
+    """libnftables over a ruleset given as text: what `sweep_fences` lists, and the commands it ran."""
 
     def __init__(self, tables: dict[str, str]) -> None:
         self.tables = tables
@@ -84,7 +84,7 @@ def test_a_start_sweeps_what_killed_daemons_left_and_nothing_else(monkeypatch: p
         GONE: listing(GONE, False, (9, GONE, DEAD_PID)),  # a daemon that is gone
         "ddpd-" + "d" * 12: listing("ddpd-" + "d" * 12, False),  # an idle live daemon's, on an older kernel
     })
-    assert sweep(nft, TAG) == 4  # type: ignore[arg-type]
+    assert sweep_fences(nft, TAG) == 4  # type: ignore[arg-type]
     assert nft.ran == ["delete rule inet ddpd output handle 3", "delete rule inet ddpd output handle 5",
                        f"delete table inet {TAG}", f"delete table inet {GONE}"]
 

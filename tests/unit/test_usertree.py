@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpd.daemon.contain.identity import Identity
-from ddpd.daemon.contain.usertree import UnsafePath, create_user_file, ensure_base, ensure_dirs, job_dir
+from ddpd.daemon.contain.usertree import UnsafePath, create_user_file, ensure_base, ensure_dirs, ensure_job_dir
 
 OTHER_UID = 54321  # a uid with no files of its own; only used where this process is root
 
@@ -38,7 +38,7 @@ def _mode(path: Path) -> int:
 
 
 def test_tree_is_the_users_and_private(state: Path, who: Identity) -> None:
-    path = job_dir(state, who, "j-1")
+    path = ensure_job_dir(state, who, "j-1")
     assert path == state / "users" / str(who.uid) / "jobs" / "j-1"
     assert _mode(state) == 0o711 and _mode(state / "users") == 0o711
     for d in (state / "users" / str(who.uid), path.parent, path):
@@ -70,7 +70,7 @@ def test_a_planted_directory_symlink_is_not_followed(state: Path, who: Identity,
     jobs.symlink_to(victim)
     _plant(jobs, who)
     with pytest.raises(UnsafePath, match="is a symlink or not a directory; not followed"):
-        job_dir(state, who, "j-1")
+        ensure_job_dir(state, who, "j-1")
     with pytest.raises(UnsafePath, match="not followed"):
         create_user_file(state, who, "jobs", "j-1", name="rank-0.log")
     assert list(victim.iterdir()) == []
@@ -101,7 +101,7 @@ def test_a_foreign_directory_is_refused(state: Path, who: Identity) -> None:
     users.mkdir()
     os.chown(users, who.uid + 1, who.gid + 1)
     with pytest.raises(UnsafePath, match=f"belongs to uid {who.uid + 1}, not {who.uid}"):
-        job_dir(state, who, "j-1")
+        ensure_job_dir(state, who, "j-1")
 
 
 @pytest.mark.parametrize("part", ["..", ".", "a/b", ""])
@@ -115,4 +115,4 @@ def test_the_state_directory_itself_may_be_the_admins_symlink(tmp_path: Path, wh
     real.mkdir()
     (tmp_path / "state").symlink_to(real)
     ensure_base(tmp_path / "state")
-    assert job_dir(tmp_path / "state", who, "j-1").resolve() == real / "users" / str(who.uid) / "jobs" / "j-1"
+    assert ensure_job_dir(tmp_path / "state", who, "j-1").resolve() == real / "users" / str(who.uid) / "jobs" / "j-1"

@@ -1,6 +1,6 @@
 """ddpctl's commands, a thin layer over `ddpd.client`: the job's life here (submit, resubmit, wait,
 status, ls, cancel, rm); what one looks at in `observe` (logs, events, stacks, watch, plot,
-metrics); the daemon in `admin` (ping, daemon, reload, completion).
+curve); the daemon in `admin` (ping, daemon, reload, completion).
 
 Data (job ids, tables, JSON, logs) goes to stdout; human status lines and errors go to stderr.
 Exit codes: see `group`.
@@ -20,7 +20,7 @@ from ddpd.client import Client, JobState, JobView, RemoteError
 from . import render
 from .completion import complete_job_ids
 from .group import EXIT_FAILED, cli, client_for, exit_for, output_option, report_final, socket_option
-from .jobfile import job_defaults, read_job_file
+from .jobfile import job_defaults, load_job_file
 from .output import LogWriter, error, note, print_json, show
 from .reconnect import follow_logs, reconnect_option, retrying
 from .select import Selection
@@ -32,7 +32,7 @@ _JOB_SCRIPT = "ddpd.job_file_script"
 def _load_job_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
     """Eager: the job file's keys become the defaults of the other options (flags win over them)."""
     if value is not None:
-        defaults, script = job_defaults(ctx.command, value, read_job_file(value))
+        defaults, script = job_defaults(ctx.command, value, load_job_file(value))
         ctx.default_map = {**(ctx.default_map or {}), **defaults}
         ctx.meta[_JOB_SCRIPT] = tuple(script)
     return value

@@ -31,42 +31,42 @@ _TABLES = ("env", "options")  # multiple K=V options a table may give (by parame
 _NOT_KEYS = frozenset({"job_file", "help"})
 
 
-class JobFileError(click.BadParameter):
+class BadJobFile(click.BadParameter):
     def __init__(self, path: Path | str, message: str) -> None:
         super().__init__(f"{path}: {message}", param_hint="'-f' / '--file'")
 
 
-def read_job_file(path: Path) -> dict[str, Any]:
-    """The TOML of a job file, read safely and bounded; JobFileError says what is wrong with it."""
+def load_job_file(path: Path) -> dict[str, Any]:
+    """The TOML of a job file, read safely and bounded; BadJobFile says what is wrong with it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise JobFileError(path, "no such file") from None
+        raise BadJobFile(path, "no such file") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise JobFileError(path, "is a symlink; give the file it points to") from None
-        raise JobFileError(path, exc.strerror or str(exc)) from None
+            raise BadJobFile(path, "is a symlink; give the file it points to") from None
+        raise BadJobFile(path, exc.strerror or str(exc)) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
                 "not a regular file"
-            raise JobFileError(path, f"is {kind}; a job file is a regular file")
+            raise BadJobFile(path, f"is {kind}; a job file is a regular file")
         if st.st_size > MAX_JOB_FILE:
-            raise JobFileError(path, f"is {st.st_size} bytes; a job file is at most {MAX_JOB_FILE}")
+            raise BadJobFile(path, f"is {st.st_size} bytes; a job file is at most {MAX_JOB_FILE}")
         data = os.read(fd, MAX_JOB_FILE + 1)
     except OSError as exc:
-        raise JobFileError(path, exc.strerror or str(exc)) from None
+        raise BadJobFile(path, exc.strerror or str(exc)) from None
     finally:
         os.close(fd)
     if len(data) > MAX_JOB_FILE:
-        raise JobFileError(path, f"is more than {MAX_JOB_FILE} bytes; a job file is at most that")
+        raise BadJobFile(path, f"is more than {MAX_JOB_FILE} bytes; a job file is at most that")
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise JobFileError(path, f"is not UTF-8 text (byte {exc.start})") from None
+        raise BadJobFile(path, f"is not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
-        raise JobFileError(path, f"is not valid TOML: {exc}") from None
+        raise BadJobFile(path, f"is not valid TOML: {exc}") from None
 
 
 def option_keys(command: click.Command) -> dict[str, click.Option]:
@@ -82,7 +82,7 @@ def option_keys(command: click.Command) -> dict[str, click.Option]:
 
 def job_defaults(command: click.Command, path: Path, data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The defaults the file gives `command`'s options (by parameter name), and its script with its
-    arguments (empty: none); JobFileError names a key that is unknown or of the wrong type."""
+    arguments (empty: none); BadJobFile names a key that is unknown or of the wrong type."""
     keys = option_keys(command)
     defaults: dict[str, Any] = {}
     script: list[str] = []
@@ -100,11 +100,11 @@ def job_defaults(command: click.Command, path: Path, data: dict[str, Any]) -> tu
             known = sorted({k.replace("_", "-") for k in keys} | set(SCRIPT_KEYS))
             near = difflib.get_close_matches(raw_key.replace("_", "-"), known, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(known)}"
-            raise JobFileError(path, f"unknown key {raw_key!r}{hint}")
+            raise BadJobFile(path, f"unknown key {raw_key!r}{hint}")
         assert param.name is not None
         defaults[param.name] = _value(path, raw_key, param, value)
     if args and not script:
-        raise JobFileError(path, "'args' needs a 'script'")
+        raise BadJobFile(path, "'args' needs a 'script'")
     return defaults, script + args
 
 
@@ -114,7 +114,7 @@ def _strings(path: Path, key: str, value: Any, *, allow_one: bool) -> list[str]:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return list(value)
     what = "a string or a list of strings" if allow_one else "a list of strings"
-    raise JobFileError(path, f"{key!r} must be {what}, got {_shown(value)}")
+    raise BadJobFile(path, f"{key!r} must be {what}, got {_shown(value)}")
 
 
 def _value(path: Path, key: str, param: click.Option, value: Any) -> Any:
@@ -127,24 +127,24 @@ def _value(path: Path, key: str, param: click.Option, value: Any) -> Any:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
         table = " or a table" if param.name in _TABLES else ""
-        raise JobFileError(path, f"{key!r} must be a string, a list of strings{table}, got {_shown(value)}")
+        raise BadJobFile(path, f"{key!r} must be a string, a list of strings{table}, got {_shown(value)}")
     if param.is_flag:
         if not isinstance(value, bool):
-            raise JobFileError(path, f"{key!r} must be true or false, got {_shown(value)}")
+            raise BadJobFile(path, f"{key!r} must be true or false, got {_shown(value)}")
         return value
     kind = param.type
     if isinstance(kind, click.types.IntParamType):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise JobFileError(path, f"{key!r} must be an integer, got {_shown(value)}")
+            raise BadJobFile(path, f"{key!r} must be an integer, got {_shown(value)}")
         return value
     if isinstance(kind, click.types.FloatParamType):
         if not isinstance(value, int | float) or isinstance(value, bool):
-            raise JobFileError(path, f"{key!r} must be a number, got {_shown(value)}")
+            raise BadJobFile(path, f"{key!r} must be a number, got {_shown(value)}")
         return float(value)
     if not isinstance(value, str):
-        raise JobFileError(path, f"{key!r} must be a string, got {_shown(value)}")
+        raise BadJobFile(path, f"{key!r} must be a string, got {_shown(value)}")
     if isinstance(kind, click.Choice) and value not in kind.choices:
-        raise JobFileError(path, f"{key!r} must be one of {', '.join(map(str, kind.choices))}, got {value!r}")
+        raise BadJobFile(path, f"{key!r} must be one of {', '.join(map(str, kind.choices))}, got {value!r}")
     return value
 
 
@@ -154,7 +154,7 @@ def _text(path: Path, key: str, value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float | str):
         return str(value)
-    raise JobFileError(path, f"{key!r} must be a string, a number or true/false, got {_shown(value)}")
+    raise BadJobFile(path, f"{key!r} must be a string, a number or true/false, got {_shown(value)}")
 
 
 def _shown(value: Any) -> str:

@@ -44,7 +44,7 @@ _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_p
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
+def parse_bytes(text: str) -> int:
     """A memory size as `--mem` takes it: bytes, or K, M, G, T (powers of 1024), e.g. 512M, 8G, 1.5GiB."""
     match = _SIZE.match(text.strip())
     if match is None:
@@ -197,7 +197,7 @@ def spec_from_options(values: dict[str, Any], script: tuple[str, ...]) -> JobSpe
     if timeouts:
         fields["timeouts"] = timeouts
     if values.get("mem") is not None:
-        fields["memory"] = parse_size(str(values["mem"]))
+        fields["memory"] = parse_bytes(str(values["mem"]))
     if values.get("env"):
         fields["env"] = dict(pairs("--env", values["env"]))
     python = values.get("python")

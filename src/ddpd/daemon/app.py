@@ -26,13 +26,13 @@ from .contain.procs import set_child_subreaper
 from .contain.reaper import reap_forever
 from .contain.usertree import ensure_base
 from .control.door import accept_forever
-from .control.interpreters import sweep as sweep_checks
+from .control.interpreters import sweep_checks
 from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
 from .gpu.gpus import GpuInfo, daemon_devices
 from .logs import configure_logging, parse_level, set_level
 from .multinode.agentproc import sweep_agents
-from .notify import Notifier, listen_fds
+from .notify import SystemdNotifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
 from .queue.resources import Resources
@@ -63,7 +63,7 @@ class Daemon:
         self.inherited_umask = inherited_umask  # what started it had (said once it is ready)
         self.overrides = overrides or {}
         self.started = time.monotonic()
-        self.notifier = Notifier()
+        self.notifier = SystemdNotifier()
         self._stop = anyio.Event()
         self._stop_count = 0
         self._adopted = False

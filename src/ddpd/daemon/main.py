@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..protocol import MAX_FRAME, Decoder, FrameError, encode
+from ..protocol.control import Ok, Ping, Reply
 from ..protocol.paths import UnsafeSocketDir, client_socket_path
 from .config import ConfigError, load_config
 from .store.errors import StorageError
@@ -107,12 +109,16 @@ def health(socket_path: Path | None, timeout: float) -> None:
         with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(str(path))
-            sock.sendall(b'{"op":"ping","id":1}\n')
-            reply = sock.makefile("rb").readline()
+            sock.sendall(encode(Ping(id=1)))
+            line = sock.makefile("rb").readline(MAX_FRAME + 1)
     except OSError as exc:
         click.echo(f"unhealthy: {path}: {exc}", err=True)
         sys.exit(1)
-    if b'"pong"' not in reply:
-        click.echo(f"unhealthy: unexpected reply {reply!r}", err=True)
+    try:
+        reply: Reply | None = Decoder[Reply](Reply).decode_frame(line.rstrip(b"\n"))
+    except FrameError:
+        reply = None
+    if not (isinstance(reply, Ok) and reply.result == "pong"):
+        click.echo(f"unhealthy: unexpected reply {line[:200]!r}", err=True)
         sys.exit(1)
     click.echo("ok")

@@ -19,7 +19,7 @@ SD_LISTEN_FDS_START = 3
 log = structlog.get_logger("ddpd")
 
 
-class Notifier:
+class SystemdNotifier:
     """Sends READY/STATUS/WATCHDOG/STOPPING to $NOTIFY_SOCKET; a no-op without systemd."""
 
     def __init__(self) -> None:

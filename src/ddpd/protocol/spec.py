@@ -103,8 +103,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     preemptible: bool = False
     options: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_OPTION_KEY)], OptionValue],
                        msgspec.Meta(max_length=MAX_OPTIONS)] = msgspec.field(default_factory=dict)
-    # the submitter's interpreter and environment (Slurm's --export); None (an older client): the
-    # daemon's interpreter and environment, as before
+    # the submitter's interpreter and environment (Slurm's --export; ddpctl always sends them); None (a
+    # spec that names none, as JobSpec of the Python API by default): the daemon's interpreter and environment
     python: Annotated[str, msgspec.Meta(max_length=MAX_PATH)] | None = None
     environ: Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_ENV_KEY)],
                             Annotated[str, msgspec.Meta(max_length=MAX_ENVIRON_VALUE)]],

@@ -66,7 +66,7 @@ from typing import Any
 from ddpd.daemon.contain.identity import RANK_UMASK, Identity
 
 GATE_ABANDONED = 111  # the gate's exit status when the daemon gave up before the launch
-GATE_EXEC_FAILED = 127
+GATE_EXEC_FAILED = 127  # its exit status when the job's interpreter could not be started (as a shell's)
 LAUNCH_WAIT = 5.0  # seconds the daemon gives root's own (Python) gate to read a launch larger than its pipe
 SHELL_PIPE_LIMIT = 1 << 20  # bytes: a shell launch above this goes through the Python gate (see the module)
 
@@ -74,7 +74,7 @@ SHELL_PIPE_LIMIT = 1 << 20  # bytes: a shell launch above this goes through the 
 class LaunchStalled(OSError):
     """The gate did not read its launch within LAUNCH_WAIT (what it was to start did not start)."""
 
-GATE_SOURCE = r"""
+GATE_SOURCE = rf"""
 import marshal, os, sys
 fd = int(sys.argv[1])
 chunks = []
@@ -85,7 +85,7 @@ while True:
     chunks.append(chunk)
 os.close(fd)
 if not chunks:
-    os._exit(111)
+    os._exit({GATE_ABANDONED})
 launch = marshal.loads(b"".join(chunks))
 try:
     if launch["uid"] is not None:
@@ -96,8 +96,8 @@ try:
     os.chdir(launch["cwd"])
     os.execve(launch["argv"][0], launch["argv"], launch["env"])
 except OSError as exc:
-    os.write(2, f"ddpd: cannot start {launch['argv'][0]} in {launch['cwd']}: {exc}\n".encode())
-    os._exit(127)
+    os.write(2, f"ddpd: cannot start {{launch['argv'][0]}} in {{launch['cwd']}}: {{exc}}\n".encode())
+    os._exit({GATE_EXEC_FAILED})
 """
 
 
@@ -201,7 +201,7 @@ def shell_launch(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: i
     program, where = q(argv[0]), q(cwd)
     lines = [
         f"ddpd_fail() {{ printf 'ddpd: cannot start %s in %s: [Errno %s] %s\\n' {program} {where} \"$1\" \"$2\" >&2;"
-        " exit 127; }",
+        f" exit {GATE_EXEC_FAILED}; }}",
         WHY,
         f"umask {umask:04o}",
         f"cd -P -- {where} 2>/dev/null || ddpd_why {where} dir",

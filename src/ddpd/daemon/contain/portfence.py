@@ -108,7 +108,7 @@ def _rules(listing: str) -> dict[int, tuple[str, int]]:
     return found
 
 
-def sweep(nft: Nft, tag: str) -> int:
+def sweep_fences(nft: Nft, tag: str) -> int:
     """Blocking, at the daemon's start: remove what killed daemons left (how many rules). An owned
     table is skipped: its owner is alive (the kernel removes it with its owner). This daemon's plain
     table goes whole; elsewhere the rules of this daemon's earlier runs and of daemons that are gone,
@@ -160,7 +160,7 @@ class Fences:
                 raise FenceError("this daemon is not root: it cannot install firewall rules")
             if self._nft is None:
                 self._nft = Nft(self.library)
-            swept = sweep(self._nft, self.tag)
+            swept = sweep_fences(self._nft, self.tag)
             self.owned = self._make_table(self._nft)
         except FenceError as exc:
             self.unavailable = str(exc)

@@ -143,7 +143,7 @@ def ensure_dirs(state_dir: str | Path, identity: Identity, *parts: str) -> Path:
     return where
 
 
-def job_dir(state_dir: str | Path, identity: Identity, job_id: str) -> Path:
+def ensure_job_dir(state_dir: str | Path, identity: Identity, job_id: str) -> Path:
     """`<state_dir>/users/<uid>/jobs/<job_id>`, created safely."""
     return ensure_dirs(state_dir, identity, JOBS_DIR, job_id)
 

@@ -347,9 +347,9 @@ async def _check_submitter(ctx: Context, spec: JobSpec, uid: int) -> None:
         raise ForbiddenError(refusal)
     python = spec.python
     if python is None and os.geteuid() == 0 and uid != 0 and not cfg.worker_command:
-        python = sys.executable  # an older client of another user: its ranks run the daemon's, as that user
+        python = sys.executable  # a spec naming no interpreter, of another user: the daemon's, run as that user
     if python is None:
-        return  # an older client of the daemon's own user: the daemon's interpreter, as before
+        return  # a spec naming no interpreter, of the daemon's own user: the daemon's interpreter
     identity = await _identity(uid)
     exported = {k: v for k, v in submitted_environment(identity, spec.environ).items() if not reserved_env(k)}
     env = job_environment(identity, exported, spec.env, {})

@@ -11,7 +11,7 @@ a sitecustomize). So:
 - where the daemon has a cgroup subtree, each check runs in a cgroup of its own
   (``check-<uid>-<n>``), entered before any of the user's code runs (the gate); the cgroup is
   killed and removed when the check ends, so nothing it started (even `setsid`) outlives it, and
-  a daemon killed meanwhile leaves cgroups that `sweep` ends at the next start;
+  a daemon killed meanwhile leaves cgroups that `sweep_checks` ends at the next start;
 - a success is remembered for CACHE_SECONDS per (uid, interpreter, environment), so back-to-back
   submits from one shell pay it once. Failures are never remembered: the user may fix them.
 """
@@ -68,7 +68,7 @@ def end_check_cgroup(cgroup: AttemptCgroup) -> None:
     log.warning("interpreter_check.cgroup_left", cgroup=str(cgroup.path), error="still populated after kill")
 
 
-def sweep(jobs: Path) -> None:
+def sweep_checks(jobs: Path) -> None:
     """End the check cgroups a killed daemon left under `jobs` (blocking)."""
     for path in jobs.glob(f"{CHECK_PREFIX}*"):
         if path.is_dir():

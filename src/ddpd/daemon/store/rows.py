@@ -1,6 +1,6 @@
 """The state database's rows and the records they hold: a job's and a rank's row each way, and an upsert.
 
-A stored value that no longer passes today's bounds (a row written before they existed) is read as
+A stored value that no longer passes the current bounds (a row written before they existed) is read as
 something recovery can go on with: a spec that cannot be read fails its job (`spec_unreadable`)
 instead of running what was not submitted, and an unreadable node table is empty.
 """
