@@ -35,6 +35,8 @@ from .common import (
     DDPD,
     DDPD_COLD,
     FINAL,
+    SPAWN,
+    TORCHRUN_NAME,
     Daemon,
     Results,
     cleanup_dir,
@@ -51,7 +53,7 @@ from .detect import bench_detect
 from .history import bench_history
 from .hostile import bench_hostile
 from .hot_replace import bench_hot_replace
-from .launch import bench_launch
+from .launch import bench_launch, classic_launcher
 from .loop import bench_loop
 from .multinode import bench_multinode
 from .optimizer_hook import bench_optimizer_hook
@@ -93,12 +95,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def warm_up(ctx: Ctx, d: Daemon) -> None:
-    """One unmeasured classic job per daemon: page cache, the daemon's first job, the pool's first fill."""
+    """One unmeasured classic job per daemon: page cache, the daemon's first job, the pool's first fill
+    (`warm_up_launchers` gives torchrun and mp.spawn their unmeasured first run too)."""
     job_id = await d.client.submit(JobSpec(name="bench-warmup", task="two-layer", nproc=2, steps=20))
     _, event = await d.events.wait(job_id, state_is(*FINAL), timeout=300)
     if event.data.get("to") != "SUCCEEDED":
         view = await d.client.status(job_id)
         raise RuntimeError(f"{d.name}: the warm-up job ended {view.state}: {why(view.root_cause)}\n{d.log_tail()}")
+
+
+async def warm_up_launchers(ctx: Ctx) -> None:
+    """One unmeasured classic run per launcher, as each daemon has its warm-up job: every side's
+    first run (cold page cache, first imports) is dropped alike."""
+    for kind in (TORCHRUN_NAME, SPAWN):
+        await classic_launcher(ctx, kind)
 
 
 async def run(ctx: Ctx, names: list[str]) -> None:
@@ -114,6 +124,7 @@ async def run(ctx: Ctx, names: list[str]) -> None:
                     await tg.start(d.follow_events)
                 for d in ctx.daemons.values():
                     await warm_up(ctx, d)
+                await warm_up_launchers(ctx)
                 for d in ctx.daemons.values():
                     await daemon_idle(ctx, d)
                 for name in ("launch", "detect", "throughput"):
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         dump_json(args.json, plan, results, items)
         console.print(f"[dim]results written to {args.json}[/dim]")
-    return 130 if interrupted else (1 if results.errors else 0)
+    failed = any(metric.failures for metric in results.metrics.values())
+    return 130 if interrupted else (1 if results.errors or failed else 0)
 
 
 if __name__ == "__main__":

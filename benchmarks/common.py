@@ -489,9 +489,20 @@ class Metric:
     higher_is_better: bool = False
     series: dict[str, Series] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # launcher -> why each of its failed runs failed: counted and shown beside its measured runs
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    # launcher -> its runs measured on a machine that never got quiet (benchmarks/settle.py)
+    unsettled: dict[str, int] = field(default_factory=dict)
 
     def add(self, launcher: str, value: float) -> None:
         self.series.setdefault(launcher, Series()).values.append(value)
+
+    def fail(self, launcher: str, why: str) -> None:
+        self.series.setdefault(launcher, Series())  # a side whose every run failed still has its row
+        self.failures.setdefault(launcher, []).append(why)
+
+    def mark_unsettled(self, launcher: str) -> None:
+        self.unsettled[launcher] = self.unsettled.get(launcher, 0) + 1
 
     def median(self, launcher: str) -> float:
         s = self.series.get(launcher)

@@ -9,7 +9,9 @@ from typing import TypeVar
 
 from rich.console import Console
 
-from .common import Daemon, Results, settle
+from .common import Daemon, Metric, Results, settle
+from .settle import Settled
+from .settle import settle as settle_machine
 
 T = TypeVar("T")
 
@@ -52,19 +54,31 @@ class Ctx:
     def say(self, text: str) -> None:
         self.console.print(f"[dim]{text}[/dim]")
 
-    async def settle(self) -> None:
+    async def settle(self, daemons: Sequence[Daemon] = ()) -> Settled:
+        """This run's processes quiet, then every daemon's pool idle and the whole machine quiet
+        (benchmarks/settle.py): the same wait before every side."""
         await settle(self.token)
+        return await settle_machine([*self.daemons.values(), *daemons])
 
     async def alternate(self, reps: int, runners: Sequence[tuple[str, Callable[[], Awaitable[T]]]],
-                        record: Callable[[str, T], str]) -> None:
-        """Repetition after repetition, each launcher in turn (after the run's processes settle)."""
+                        record: Callable[[str, T], str], metrics: Sequence[Metric],
+                        daemons: Sequence[Daemon] = ()) -> None:
+        """Repetition after repetition, each launcher in turn, each after the same settle; every
+        repetition is kept. A run that fails is counted against its launcher in `metrics`, with why
+        (a failed torchrun as a failed ddpd job); a run measured on a machine that never got quiet is
+        counted as unsettled there."""
         for rep in range(1, reps + 1):
             for name, run in runners:
-                await self.settle()
+                settled = await self.settle(daemons)
+                if not settled.quiet:
+                    for metric in metrics:
+                        metric.mark_unsettled(name)
                 try:
                     value = await run()
                 except Exception as exc:
-                    self.results.errors.append(f"{name} rep {rep}: {exc}")
-                    self.console.print(f"  {name} rep {rep}: {exc}", style="red", markup=False)  # text of a log
+                    why = f"rep {rep}: {type(exc).__name__}: {exc}".strip()
+                    for metric in metrics:
+                        metric.fail(name, why)
+                    self.console.print(f"  {name} {why}", style="red", markup=False)  # text of a log
                     continue
-                self.say(f"  rep {rep}/{reps} {name:12} {record(name, value)}")
+                self.say(f"  rep {rep}/{reps} {name:12} {record(name, value)}  ({settled.text()})")

@@ -119,4 +119,4 @@ async def bench_detect(ctx: Ctx) -> None:
         first.add(name, value[1])
         return f"all gone {value[0]:.3f}s  failed/exited {value[1]:.3f}s"
 
-    await ctx.alternate(ctx.plan.detect_reps, runners, record)
+    await ctx.alternate(ctx.plan.detect_reps, runners, record, [total, first])

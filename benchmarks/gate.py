@@ -4,9 +4,11 @@ The driver makes, in one directory per side, a FIFO ``go-<rank>`` per rank and o
 holds each open read-write (so neither end's open blocks, and a rank's read waits for a byte,
 not for a writer). The bare loop (``benchmarks/loop.py --bare --gate DIR --segment N``) runs its
 warm-up, then before each segment of N steps reads one byte of its ``go`` FIFO (``g``: run the
-segment; end of file or anything else: stop gating and finish); rank 0 says ``ready`` on ``done``
-before its first wait and its segment's steps per second after each segment, timed from the end
-of the segment's first step (the one that picks up after the pause) to the end of its last.
+segment; end of file or anything else: stop gating and finish). Rank 0 says ``ready POLICY`` on
+``done`` before its first wait (POLICY: the scheduling policy it runs with, ``SCHED_OTHER`` or
+``SCHED_BATCH``, as the kernel reports it, so the table names what each side ran with), and its
+segment's steps per second after each segment, timed from the end of the segment's first step (the
+one that picks up after the pause) to the end of its last.
 """
 
 from __future__ import annotations
@@ -16,6 +18,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+POLICIES = {getattr(os, name): name
+            for name in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE", "SCHED_FIFO", "SCHED_RR") if hasattr(os, name)}
+
+
+RESET_ON_FORK = 0x40000000  # a flag or-ed into the policy, not a policy
+
+
+def policy() -> str:
+    """This process's scheduling policy by name (what ``chrt -p`` says)."""
+    number = os.sched_getscheduler(0) & ~RESET_ON_FORK
+    return POLICIES.get(number, str(number))
 
 
 class Gate:
@@ -41,7 +55,7 @@ class Gate:
 
     def run(self, steps: int, step: Callable[[], None]) -> None:
         """`steps` steps in gated segments (a remainder shorter than a segment runs ungated at the end)."""
-        self.say("ready")
+        self.say(f"ready {policy()}")
         done = 0
         while steps - done >= self.segment and self.wait():
             step()
@@ -66,7 +80,7 @@ class Gate:
                 self.t0 = time.perf_counter()
             elif position == 0:
                 if segment == 0:
-                    self.say("ready")
+                    self.say(f"ready {policy()}")
                 else:
                     self.say(f"{(self.segment - 1) / (time.perf_counter() - self.t0):.6f}")
                 if segment < rounds:

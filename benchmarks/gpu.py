@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     print(loop.summary(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"gpus": [g.__dict__ for g in found], "mlp": result}, indent=2))
+    if result["failed"]:  # a side that failed is a failed check, whichever side it was
+        print(f"FAILED: {len(result['failed'])} run(s) failed: {result['failed']}", flush=True)
+        return 1
     if result["ratio_median"] < args.min_ratio:
         print(f"FAILED: ddpd's median steps/s are {result['ratio_median']:.3f}x torchrun's, below {args.min_ratio:g}",
               flush=True)

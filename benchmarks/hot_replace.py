@@ -149,7 +149,7 @@ async def bench_hot_replace(ctx: Ctx) -> None:
                 lost.add(name, value[1])
                 return f"training again {value[0]:.3f}s  steps lost {value[1]:.0f}"
 
-            await ctx.alternate(ctx.plan.detect_reps + 1, runners, record)
+            await ctx.alternate(ctx.plan.detect_reps + 1, runners, record, [back, lost], daemons=[d])
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):

@@ -69,4 +69,4 @@ async def bench_launch(ctx: Ctx) -> None:
         e2e.add(name, value[1])
         return f"launch {value[0]:.3f}s  end to end {value[1]:.3f}s"
 
-    await ctx.alternate(ctx.plan.launch_reps, runners, record)
+    await ctx.alternate(ctx.plan.launch_reps, runners, record, [launch, e2e])

@@ -17,16 +17,12 @@ The results are ddpd's steps per second over torchrun's and over the bare script
 (the loop's own cost, the launcher being the same), per round, and their medians with the range.
 The target is >= 0.98. On a shared machine the figures are noisy: read the range.
 
-**Back to back** (``--back-to-back``, and part of the suite's ``loop``): the way people submit, the
-bare loop as an unmodified script, each job submitted when the previous one ended: to a
-default-config daemon (warm pool on: each job takes pooled interpreters while the pool refills
-behind it), to a daemon without a pool (cold), and the same file under torchrun, alternating.
-Each side runs a short job, then at once a long one: under ddpd the short job emptied the pool,
-which refills while the long one trains. Two rates per side: the long run's steps per second on
-rank 0's clock from the short run's step count on (whatever runs beside the job, a refill, counts;
-start-up does not), and the difference of the two runs' wall times (submit to SUCCEEDED;
-torchrun's whole run) over the difference of their steps, which a loaded machine's start-up
-noise swamps. On the tiny model (2 x Linear(32), batch 8) and on 4 x Linear(1024), batch 64.
+**Back to back** (``--back-to-back``, and part of the suite's ``loop``): the way people submit,
+each job submitted when the previous one ended (benchmarks/back_to_back.py).
+
+Every side is treated alike: before each side the machine is quiet (benchmarks/settle.py; a side
+measured on a machine that never got quiet is counted as unsettled), no run is retried and none
+dropped: a side that fails is counted as failed with why, and its round's ratios leave it out.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -163,13 +158,16 @@ def run_torchrun(args: argparse.Namespace, stamps: Path) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc))}
     if args.device == "cuda":
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.nproc)))
-    torchrun_once_more(argv, env)
+    from benchmarks.back_to_back import torchrun_once
+
+    torchrun_once(argv, env)
     return read_clock(stamps)
 
 
 async def run_ddpd(args: argparse.Namespace, daemon: Any, stamps: Path) -> float:
     import anyio
 
+    from benchmarks.back_to_back import SideFailed
     from ddpd.protocol import JobSpec, JobState
 
     spec = JobSpec(name="bench-loop", task="benchmarks.loop:timed_mlp", nproc=args.nproc, steps=args.steps,
@@ -180,7 +178,7 @@ async def run_ddpd(args: argparse.Namespace, daemon: Any, stamps: Path) -> float
     with anyio.fail_after(600):
         job = await daemon.client.wait(job_id)
     if job.state != JobState.SUCCEEDED:
-        raise RuntimeError(f"ddpd job {job.state}: {job.reason} {job.root_cause}")
+        raise SideFailed(f"ddpd job {job_id} {job.state}: {job.reason} {job.root_cause}")
     return read_clock(stamps)
 
 
@@ -188,6 +186,7 @@ async def run_ddpd_script(args: argparse.Namespace, daemon: Any, stamps: Path) -
     """The bare loop as an unmodified script under ddpd: the same launcher, none of the loop's work."""
     import anyio
 
+    from benchmarks.back_to_back import SideFailed
     from ddpd.protocol import JobSpec, JobState
 
     spec = JobSpec(name="bench-loop-bare", script=[str(Path(__file__)), *bare_argv(args, stamps)], nproc=args.nproc,
@@ -196,210 +195,110 @@ async def run_ddpd_script(args: argparse.Namespace, daemon: Any, stamps: Path) -
     with anyio.fail_after(600):
         job = await daemon.client.wait(job_id)
     if job.state != JobState.SUCCEEDED:
-        raise RuntimeError(f"ddpd script job {job.state}: {job.reason} {job.root_cause}")
+        raise SideFailed(f"ddpd script job {job_id} {job.state}: {job.reason} {job.root_cause}")
     return read_clock(stamps)
 
 
 async def compare(args: argparse.Namespace) -> dict[str, Any]:
     """`args.rounds` side-by-side rounds; the steps per second of each side and their ratios."""
+    from benchmarks.back_to_back import SideFailed
     from benchmarks.common import start_daemon, stop_daemon
+    from benchmarks.settle import settle
 
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    unsettled: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="ddpd-loop-") as tmp:
         base = Path(tmp)
         daemon = await start_daemon(base, "loop", config={"cpu_slots": max(args.nproc, os.cpu_count() or 1),
                                                               "pool_size": 0})
         try:
             for n in range(args.rounds):
-                rates: dict[str, float] = {}
+                rates: dict[str, float | None] = {}
                 order = ("ddpd", "torchrun", "ddpd-script")
                 for side in order if n % 2 == 0 else order[::-1]:
                     stamps = base / f"{side}-{n}"
                     stamps.mkdir()
-                    if side == "ddpd":
-                        rates[side] = await run_ddpd(args, daemon, stamps)
-                    elif side == "ddpd-script":
-                        rates[side] = await run_ddpd_script(args, daemon, stamps)
-                    else:
-                        rates[side] = run_torchrun(args, stamps)
-                row = {**rates, "ratio": rates["ddpd"] / rates["torchrun"],
-                       "loop_ratio": rates["ddpd"] / rates["ddpd-script"]}
+                    if not (await settle([daemon])).quiet:  # the same wait before every side
+                        unsettled[side] = unsettled.get(side, 0) + 1
+                    try:
+                        rates[side] = await run_side(args, daemon, side, stamps)
+                    except SideFailed as exc:
+                        rates[side] = None
+                        failed.append({"round": n + 1, "side": side, "why": str(exc)})
+                        print(f"round {n + 1}: {side} FAILED: {exc}", flush=True)
+                row = {**rates, "ratio": _over(rates["ddpd"], rates["torchrun"]),
+                       "loop_ratio": _over(rates["ddpd"], rates["ddpd-script"])}
                 rows.append(row)
-                print(f"round {n + 1}: ddpd {row['ddpd']:.0f} steps/s, torchrun {row['torchrun']:.0f}, bare script "
-                      f"under ddpd {row['ddpd-script']:.0f}; ratio to torchrun {row['ratio']:.3f}, to the bare "
-                      f"script {row['loop_ratio']:.3f}", flush=True)
+                print(f"round {n + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if v is not None),
+                      flush=True)
         finally:
             await stop_daemon(daemon)
-    ratios = [r["ratio"] for r in rows]
-    loops = [r["loop_ratio"] for r in rows]
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None] or [float("nan")]
+    loops = [r["loop_ratio"] for r in rows if r["loop_ratio"] is not None] or [float("nan")]
     return {"loop_ratio_median": statistics.median(loops), "loop_ratio_min": min(loops),
             "loop_ratio_max": max(loops), "model": f"{args.layers} x Linear({args.width}), batch {args.batch}",
-            "device": args.device,
+            "device": args.device, "failed": failed, "unsettled": unsettled,
             "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup, "rounds": rows,
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
-# -- back to back: short and long runs, pooled, cold and torchrun, alternating ----------------------
-
-# (label, layers, width, batch, short steps, long steps)
-MODELS = (("tiny", 2, 32, 8, 200, 4200), ("4x1024", 4, 1024, 64, 20, 220))
-B2B_SIDES = ("pooled", "cold", "torchrun")
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None else None
 
 
-def b2b_argv(layers: int, width: int, batch: int, steps: int, warmup: int, stamps: Path) -> list[str]:
-    return ["--bare", "--layers", str(layers), "--width", str(width), "--batch", str(batch), "--steps", str(steps),
-            "--warmup", str(warmup), "--stamps", str(stamps)]
-
-
-async def b2b_job(daemon: Any, argv: list[str], nproc: int) -> float:
-    """Seconds from submit to SUCCEEDED of the bare loop as a script job."""
-    import anyio
-
-    from ddpd.protocol import JobSpec, JobState
-
-    started = time.perf_counter()
-    job_id = await daemon.client.submit(JobSpec(name="bench-b2b", script=[str(Path(__file__)), *argv], nproc=nproc,
-                                                workdir=str(REPO)))
-    with anyio.fail_after(600):
-        job = await daemon.client.wait(job_id)
-    if job.state != JobState.SUCCEEDED:
-        raise RuntimeError(f"ddpd script job {job.state}: {job.reason} {job.root_cause}")
-    return time.perf_counter() - started
-
-
-def b2b_torchrun(argv: list[str], nproc: int) -> float:
-    """Seconds of a whole torchrun of the bare loop (its launch included, as a job's is)."""
-    from benchmarks.common import TORCHRUN, free_port
-
-    started = time.perf_counter()
-    full = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
-            str(free_port()), str(Path(__file__)), *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    torchrun_once_more(full, env)
-    return time.perf_counter() - started
-
-
-def torchrun_once_more(argv: list[str], env: dict[str, str]) -> None:
-    """Run torchrun; a run that fails is said and run again once (its gloo mesh sometimes times out
-    connecting on a loaded machine: torchrun's failure, not a measurement), a second failure raises."""
-    for attempt in (1, 2):
-        done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
-                              start_new_session=True)
-        if done.returncode == 0:
-            return
-        last = done.stderr.strip().splitlines()[-1:] or [""]
-        print(f"  torchrun exited with {done.returncode} (run {attempt} of 2): {last[0][:200]}", flush=True)
-    raise RuntimeError(f"torchrun exited with {done.returncode} twice:\n{done.stderr[-3000:]}")
-
-
-POOL_SETTLE = 120.0  # seconds the pooled daemon's refill may take before a side starts
-
-
-async def pool_settled(daemon: Any, size: int = 2) -> None:
-    """Wait until the pooled daemon's warm pool holds `size` ready interpreters again and refills none
-    (it may keep more than `size`, one set per kind of job it saw): a refill after
-    the pooled side's jobs would otherwise run (at normal priority: that daemon has no job) during the
-    next side, which is then measured on a busy machine."""
-    import anyio
-
-    with anyio.fail_after(POOL_SETTLE):
-        while True:  # the daemon says nothing when its pool fills: asked five times a second
-            info = await daemon.client.daemon_info()
-            if (info.pool_ready or 0) >= size and "refilling" not in (info.pool_state or ""):
-                return
-            await anyio.sleep(0.2)
-
-
-async def b2b_rate(side: str, daemons: dict[str, Any], model: tuple[str, int, int, int, int, int],
-                   nproc: int, stamps: Path) -> tuple[float, float]:
-    """One side, a short then a long run back to back: the long run's steps/s on rank 0's clock (from
-    step `short` on), and (long - short) steps over the difference of their wall times."""
-    _, layers, width, batch, short, long = model
-    await pool_settled(daemons["pooled"])  # every side starts on a quiet machine (no refill of an earlier side)
-    times = []
-    for steps in (short, long):
-        out = stamps / f"{side}-{steps}"
-        out.mkdir(parents=True)
-        argv = b2b_argv(layers, width, batch, steps, min(short, steps - 1), out)
-        if side == "torchrun":
-            times.append(b2b_torchrun(argv, nproc))
-        else:
-            times.append(await b2b_job(daemons[side], argv, nproc))
-    wall = (long - short) / (times[1] - times[0]) if times[1] > times[0] else float("nan")
-    return read_clock(stamps / f"{side}-{long}"), wall
-
-
-async def back_to_back(rounds: int, nproc: int = 2) -> dict[str, Any]:
-    """`rounds` alternating rounds per model; each side's steps/s and ddpd's ratios to torchrun."""
-    from benchmarks.common import start_daemon, stop_daemon
-
-    slots = max(nproc, os.cpu_count() or 1)
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="ddpd-b2b-") as tmp:
-        base = Path(tmp)
-        daemons = {"pooled": await start_daemon(base, "pooled", config={"cpu_slots": slots}),
-                   "cold": await start_daemon(base, "cold", config={"cpu_slots": slots, "pool_size": 0})}
-        try:
-            for model in MODELS:
-                rows = []
-                for n in range(rounds):
-                    rates = {side: await b2b_rate(side, daemons, model, nproc, base / f"{model[0]}-{n}")
-                             for side in (B2B_SIDES if n % 2 == 0 else B2B_SIDES[::-1])}
-                    row = {side: clock for side, (clock, _) in rates.items()}
-                    row.update({f"{side}_wall": wall for side, (_, wall) in rates.items()})
-                    rows.append({**row, "pooled_ratio": row["pooled"] / row["torchrun"],
-                                 "cold_ratio": row["cold"] / row["torchrun"],
-                                 "pooled_wall_ratio": row["pooled_wall"] / row["torchrun_wall"]})
-                    print(f"{model[0]} round {n + 1}: pooled {row['pooled']:.1f} steps/s, cold {row['cold']:.1f}, "
-                          f"torchrun {row['torchrun']:.1f}; ratios {rows[-1]['pooled_ratio']:.3f} (pooled), "
-                          f"{rows[-1]['cold_ratio']:.3f} (cold); from wall times {rows[-1]['pooled_wall_ratio']:.3f} "
-                          f"(pooled)", flush=True)
-                results[model[0]] = rows
-        finally:
-            for d in daemons.values():
-                await stop_daemon(d)
-    return results
-
-
-def spread(rows: list[dict[str, float]], key: str) -> str:
-    values = [r[key] for r in rows]
-    return f"{statistics.median(values):.3f}x [{min(values):.3f}-{max(values):.3f}]"
-
-
-def b2b_summary(results: dict[str, Any]) -> str:
-    return "; ".join(f"back to back, {label}: ddpd/torchrun steps/s pooled {spread(rows, 'pooled_ratio')}, cold "
-                     f"{spread(rows, 'cold_ratio')} over {len(rows)} rounds (target >= 0.98); from wall-time "
-                     f"differences, pooled {spread(rows, 'pooled_wall_ratio')}" for label, rows in results.items())
+async def run_side(args: argparse.Namespace, daemon: Any, side: str, stamps: Path) -> float:
+    if side == "ddpd":
+        return await run_ddpd(args, daemon, stamps)
+    if side == "ddpd-script":
+        return await run_ddpd_script(args, daemon, stamps)
+    return run_torchrun(args, stamps)
 
 
 async def bench_loop(ctx: Any) -> None:
     """The suite's entry (``BENCHES["loop"]``): the default comparison, recorded per launcher, then the
     back-to-back one (``loop.b2b.<model>``: pooled as ddpd, cold as ddpd (cold), and torchrun)."""
+    from benchmarks.back_to_back import b2b_summary, back_to_back
     from benchmarks.common import DDPD, DDPD_COLD, TORCHRUN_NAME
 
     result = await compare(parse_args(["--rounds", "2"] if ctx.plan.short else []))
     metric = ctx.results.metric("loop.steps", "loop", f"loop steps/s ({result['model']}, 2 ranks, CPU)", "steps/s",
                                 higher_is_better=True)
     for row in result["rounds"]:
-        metric.add(DDPD, row["ddpd"])
-        metric.add(TORCHRUN_NAME, row["torchrun"])
+        for side, launcher in (("ddpd", DDPD), ("torchrun", TORCHRUN_NAME)):
+            if row.get(side) is not None:
+                metric.add(launcher, row[side])
+    for failure in result["failed"]:
+        if failure["side"] != "ddpd-script":  # the series kept here: ddpd's task and torchrun
+            metric.fail(TORCHRUN_NAME if failure["side"] == "torchrun" else DDPD,
+                        f"round {failure['round']}: {failure['why']}")
     metric.notes.append(summary(result))
     b2b = await back_to_back(3 if ctx.plan.short else 5)
-    for label, rows in b2b.items():
+    for label, rows in b2b["models"].items():
         m = ctx.results.metric(f"loop.b2b.{label}", "loop", f"back-to-back steps/s ({label}, 2 ranks, CPU)",
                                "steps/s", higher_is_better=True)
         for row in rows:
-            m.add(DDPD, row["pooled"])
-            m.add(DDPD_COLD, row["cold"])
-            m.add(TORCHRUN_NAME, row["torchrun"])
-        m.notes.append(b2b_summary({label: rows}))
+            for side, launcher in (("pooled", DDPD), ("cold", DDPD_COLD), ("torchrun", TORCHRUN_NAME)):
+                if row.get(side) is not None:
+                    m.add(launcher, row[side])
+        for failure in b2b["failed"]:
+            if failure["model"] == label:
+                side = {"pooled": DDPD, "cold": DDPD_COLD}.get(failure["side"], TORCHRUN_NAME)
+                m.fail(side, f"round {failure['round']}: {failure['why']}")
+        for side, count in b2b["unsettled"].items():
+            m.unsettled[{"pooled": DDPD, "cold": DDPD_COLD}.get(side, TORCHRUN_NAME)] = count
+        m.notes.append(b2b_summary({**b2b, "models": {label: rows}}))
 
 
 def summary(result: dict[str, Any]) -> str:
-    return (f"loop, {result['model']}, {result['nproc']} rank(s) on {result['device']}: ddpd/torchrun steps/s "
+    text = (f"loop, {result['model']}, {result['nproc']} rank(s) on {result['device']}: ddpd/torchrun steps/s "
             f"{result['ratio_median']:.3f}x [{result['ratio_min']:.3f}-{result['ratio_max']:.3f}] over "
             f"{len(result['rounds'])} rounds (target >= 0.98); against the same bare loop as a script under "
             f"ddpd {result['loop_ratio_median']:.3f}x [{result['loop_ratio_min']:.3f}-{result['loop_ratio_max']:.3f}]")
+    lines = [text] + [f"  FAILED round {f['round']} {f['side']}: {f['why']}" for f in result["failed"]]
+    if result["unsettled"]:
+        lines.append(f"  measured on a machine that never got quiet: {result['unsettled']}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,16 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     import anyio
 
     if args.back_to_back:
+        from benchmarks.back_to_back import b2b_summary, back_to_back
+
         b2b = anyio.run(back_to_back, args.rounds, args.nproc)
         print(b2b_summary(b2b), flush=True)
         if args.json:
             args.json.write_text(json.dumps(b2b, indent=2))
-        return 0
+        return 1 if b2b["failed"] else 0
     result = anyio.run(compare, args)
     print(summary(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ async def bench_multinode(ctx: Ctx) -> None:
                     daemons.append(d)
                     await tg.start(d.follow_events)
                 pair = (daemons[0], daemons[1])
-                await ddpd_two_nodes(pair, next(ports), "warmup")  # unmeasured: the daemons' first job
+                # unmeasured, on both sides alike: the daemons' first job, torchrun's first run
+                await ddpd_two_nodes(pair, next(ports), "warmup")
+                await torchrun_two_nodes(ctx, names, next(ports))
                 rep = 0
 
                 async def ours() -> float:
@@ -157,7 +159,7 @@ async def bench_multinode(ctx: Ctx) -> None:
                     metric.add(name, value)
                     return f"{value:.2f} s"
 
-                await ctx.alternate(ctx.plan.launch_reps, [(DDPD, ours), (TORCHRUN_NAME, theirs)], record)
+                await ctx.alternate(ctx.plan.launch_reps, [(DDPD, ours), (TORCHRUN_NAME, theirs)], record, [metric])
             finally:
                 tg.cancel_scope.cancel()
                 with anyio.CancelScope(shield=True):

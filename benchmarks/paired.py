@@ -1,24 +1,34 @@
 """Paired segments: ddpd's steps per second against torchrun's, with the machine's drift cancelled.
 
-    python -m benchmarks.paired                       # both models, 100 rounds each
+    python -m benchmarks.paired                       # both models, 100 rounds each, 2 ranks
     python -m benchmarks.paired --models tiny --rounds 60
+    python -m benchmarks.paired --models tiny --ranks 1   # a core spare per side on 2 cores
     python -m benchmarks --only paired                # in the suite (--short: 40 rounds)
 
-Whole runs one after the other (benchmarks/loop.py) compare rates measured seconds apart, and
-on a shared 2-core machine the rate of one torchrun drifts by a third within a single run (the
-tiny model's 500-step stretches: 420 to 860 steps/s): a 2% target drowns in that. Here every
-side is started at once and they take turns (`SIDES`): the bare loop (``loop.py --bare``) as an
-unmodified script under a default-config daemon (``ddpd``: submitted right after a short job, so
-its warm pool refills behind it, as back to back), the same under a daemon without a pool
-(``ddpd (cold)``), ddpd's built-in mlp task (``ddpd (task)``), and the bare loop under torchrun,
-twice (``torchrun (again)`` is the method's own spread). Each rank waits at a FIFO gate
-(benchmarks/gate.py) before every segment of N steps; the driver opens one side's gates, waits
-for rank 0's segment rate, then the next side's. A round is one segment per side, in an order
-that turns from round to round (`order`); a side's ratio in a round is its segment's rate over
-torchrun's in the same round, a second or so apart.
+Whole runs one after the other (benchmarks/loop.py) compare rates measured seconds apart, and on a
+shared 2-core machine the rate of one torchrun drifts by a third within a single run (the tiny
+model's 500-step stretches: 420 to 860 steps/s): a 2% target drowns in that. Here every side is
+started at once and they take turns (`SIDES`): the bare loop (``loop.py --bare``) as an unmodified
+script under a default-config daemon (``ddpd``: submitted right after a short job, so its warm pool
+refills behind it, as back to back), the same under a daemon without a pool (``ddpd (cold)``),
+ddpd's built-in mlp task (``ddpd (task)``), and the bare loop under torchrun, twice (``torchrun
+(again)`` is the method's own spread), and under ``chrt -b 0 torchrun`` (``torchrun (batch)``:
+torchrun and its ranks at SCHED_BATCH, the policy ddpd gives CPU ranks; on a machine whose every
+core is busy that policy, not the launcher, makes most of the difference). Each rank waits at a FIFO
+gate (benchmarks/gate.py) before every segment of N steps; the driver opens one side's gates, waits
+for rank 0's segment rate, then the next side's. A round is one segment per side, in an order that
+turns from round to round (`order`); a side's ratio in a round is its segment's rate over torchrun's
+in the same round, a second or so apart.
 
-Reported per model: each side's segment rates, and the median of its per-round ratios with a
-distribution-free 95% interval (order statistics, binomial): the target is a median >= 0.98.
+Every side is started and at its first gate before the rounds begin; then the driver waits for
+every daemon's pool to be idle and the machine to be quiet (benchmarks/settle.py) once, for all
+sides alike, so no refill runs during the first rounds. A side that fails (its job or torchrun ends
+badly, or its rank 0 goes silent) is dropped from the later rounds and shown with its reason.
+
+Reported per model (benchmarks/paired_table.py): the cores and ranks per side, each side's
+scheduling policy (as its rank 0 reads it), its segment rates, and the median of its per-round
+ratios to each torchrun (as started, and at SCHED_BATCH) with a distribution-free 95% interval
+(order statistics, binomial): the target is a median >= 0.98 of torchrun's.
 This is the steady training loop under each launcher, with the daemon supervising and a refill
 held behind the job: the start of a job, and whatever a refill does before the job's ranks take
 the cores, are the back-to-back benchmark's (benchmarks/loop.py). CPU only.
@@ -28,10 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
-import statistics
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -43,14 +51,18 @@ from typing import Any
 import anyio
 
 from .common import TORCHRUN, BenchError, Daemon, free_port, start_daemon, stop_daemon, why
+from .paired_table import describe, summarise
+from .settle import settle
 
 LOOP = str(Path(__file__).resolve().with_name("loop.py"))
 REPO = Path(LOOP).parent.parent
 # side: (how it runs, the daemon it runs on). "ddpd": the bare loop as a script, submitted right
 # after a short job (its pool refilling behind it); "ddpd (cold)": the same without a pool; "ddpd
-# (task)": the built-in mlp task; "torchrun (again)": a second torchrun, the method's own spread.
+# (task)": the built-in mlp task; "torchrun (again)": a second torchrun, the method's own spread;
+# "torchrun (batch)": torchrun under `chrt -b 0` (it and its ranks at SCHED_BATCH).
 SIDES = {"ddpd": ("script", "pooled"), "ddpd (cold)": ("script", "cold"), "ddpd (task)": ("task", "task"),
-         "torchrun": ("torchrun", ""), "torchrun (again)": ("torchrun", "")}
+         "torchrun": ("torchrun", ""), "torchrun (again)": ("torchrun", ""), "torchrun (batch)": ("torchrun", "batch")}
+CHRT_BATCH = ("chrt", "-b", "0")
 REFERENCE = "torchrun"
 # (label, layers, width, batch, warm-up steps, steps per segment): segments of a fifth of a second
 MODELS = {"tiny": ("tiny", 2, 32, 8, 200, 120), "4x1024": ("4x1024", 4, 1024, 64, 10, 6)}
@@ -88,6 +100,8 @@ class Side:
     proc: subprocess.Popen[bytes] | None = None  # torchrun
     daemon: Daemon | None = None
     job_id: str = ""
+    policy: str = "?"  # the scheduling policy rank 0 reported
+    failed: str = ""  # why the side stopped early ("" while it runs)
 
     def make_fifos(self) -> None:
         self.directory.mkdir(parents=True)
@@ -153,19 +167,22 @@ async def submit(d: Daemon, model: Model, steps: int, side: Side | None, kind: s
     return str(await d.client.submit(spec))
 
 
-def start_torchrun(model: Model, steps: int, side: Side, nproc: int) -> subprocess.Popen[bytes]:
+def start_torchrun(model: Model, steps: int, side: Side, nproc: int, batch: bool) -> subprocess.Popen[bytes]:
     argv = bare_argv(model, steps, ["--gate", str(side.directory), "--segment", str(model[5])])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     with (side.directory / "torchrun.log").open("wb") as log:
-        return subprocess.Popen([TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+        launcher = [*(CHRT_BATCH if batch else ()), TORCHRUN]
+        return subprocess.Popen([*launcher, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                                  "--master-port", str(free_port()), *argv], env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=log, start_new_session=True)
 
 
-async def start_sides(base: Path, model: Model, rounds: int, nproc: int, daemons: dict[str, Daemon]) -> dict[str, Side]:
-    """Every side's gated job, started and at its first gate; ddpd's right after a short job took
-    its pool's ready interpreters (the pool refills while the gated job runs)."""
-    from benchmarks.loop import pool_settled
+async def start_sides(base: Path, model: Model, rounds: int, nproc: int,
+                      daemons: dict[str, Daemon]) -> tuple[dict[str, Side], str]:
+    """Every side's gated job, started and at its first gate, ddpd's right after a short job took
+    its pool's ready interpreters (the pool refills while the gated job runs); then the settle, whose
+    outcome is returned in words."""
+    from benchmarks.back_to_back import pool_settled
 
     warmup, segment = model[4], model[5]
     steps = warmup + rounds * segment
@@ -181,29 +198,48 @@ async def start_sides(base: Path, model: Model, rounds: int, nproc: int, daemons
     for name, side in sides.items():
         kind, daemon = SIDES[name]
         if kind == "torchrun":
-            side.proc = start_torchrun(model, steps, side, nproc)
+            side.proc = start_torchrun(model, steps, side, nproc, batch=daemon == "batch")
         else:
             side.daemon = daemons[daemon]
             side.job_id = await submit(side.daemon, model, steps + (kind == "task"), side, kind, nproc)
     for side in sides.values():
-        if (line := await side.said(READY_TIMEOUT)) != "ready":
-            raise BenchError(f"{side.name}: rank 0 said {line!r}, not ready")
-    return sides
+        word, _, side.policy = (await side.said(READY_TIMEOUT)).partition(" ")
+        if word != "ready":
+            raise BenchError(f"{side.name}: rank 0 said {word!r}, not ready")
+    settled = await settle(daemons.values())  # once, for every side: no refill during the first rounds
+    print(f"paired, {model[0]}: every side at its first gate; {settled.text()}", flush=True)
+    return sides, settled.text()
+
+
+async def run_rounds(sides: dict[str, Side], rounds: int) -> None:
+    """`rounds` rounds of one segment per side in turn; a side that fails is dropped from the rest,
+    with its reason (the others go on)."""
+    for n in range(rounds):
+        for name in order(list(sides), n):
+            side = sides[name]
+            if side.failed:
+                continue
+            try:
+                await side.segment()
+            except BenchError as exc:
+                side.failed = f"in round {n + 1}: {exc}"
+                side.close()
 
 
 async def finish_sides(sides: dict[str, Side]) -> None:
-    """Let every side run out ungated and end; a job that did not succeed is an error."""
+    """Let every side run out ungated and end; a side whose job or torchrun did not succeed is failed
+    (with why), as a side that failed during the rounds is."""
     for side in sides.values():
         side.close()
     for side in sides.values():
         if side.proc is not None:
             rc = await anyio.to_thread.run_sync(partial(side.proc.wait, timeout=300))
-            if rc != 0:
-                raise BenchError(f"{side.name} exited with {rc}")
+            if rc != 0 and not side.failed:
+                side.failed = f"torchrun exited with {rc} (log: {side.directory / 'torchrun.log'})"
         elif side.daemon is not None and side.job_id:
             view = await side.daemon.client.wait(side.job_id)
-            if view.state != "SUCCEEDED":
-                raise BenchError(f"{side.name}: job {side.job_id} ended {view.state}: {why(view.root_cause)}")
+            if view.state != "SUCCEEDED" and not side.failed:
+                side.failed = f"job {side.job_id} ended {view.state}: {why(view.root_cause)}"
 
 
 def kill_sides(sides: dict[str, Side]) -> None:
@@ -222,39 +258,9 @@ def order(names: Sequence[str], n: int) -> list[str]:
     return turned[::-1] if (n // len(names)) % 2 else turned
 
 
-def median_interval(values: Sequence[float]) -> tuple[float, float]:
-    """A distribution-free interval holding the median with at least 95% confidence: the k-th
-    smallest and k-th largest value, k the largest with P(Binomial(n, 1/2) < k) <= 0.025."""
-    n = len(values)
-    ordered = sorted(values)
-    k, below = 0, 0.0
-    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
-        below += math.comb(n, k) / 2**n
-        k += 1
-    if k == 0:  # too few rounds for 95%: the whole range
-        return ordered[0], ordered[-1]
-    return ordered[k - 1], ordered[n - k]
-
-
-def summarise(model: str, sides: dict[str, Side]) -> dict[str, Any]:
-    """Each side's segment rates, and each side's per-round ratios to the reference torchrun's."""
-    out: dict[str, Any] = {"model": model, "rates": {n: s.rates for n, s in sides.items()}, "ratios": {},
-                           "ratio": {}}
-    for name in [n for n in sides if n != REFERENCE]:
-        ratios = [a / b for a, b in zip(sides[name].rates, sides[REFERENCE].rates, strict=True)]
-        low, high = median_interval(ratios)
-        out["ratios"][name] = ratios
-        out["ratio"][name] = {"median": statistics.median(ratios), "low95": low, "high95": high}
-    return out
-
-
-def describe(result: dict[str, Any]) -> str:
-    rates = ", ".join(f"{n} {statistics.median(r):.1f}" for n, r in result["rates"].items())
-    ratios = ", ".join(f"{n} {r['median']:.3f}x [{r['low95']:.3f}-{r['high95']:.3f}]"
-                       for n, r in result["ratio"].items())
-    rounds = len(result["rates"][REFERENCE])
-    return (f"paired, {result['model']}: median segment steps/s {rates}; per round over torchrun's (median, 95% "
-            f"interval, {rounds} rounds; target >= 0.98): {ratios}")
+def cores() -> int:
+    """The cores this run may use (its affinity), as the table states them."""
+    return len(os.sched_getaffinity(0))
 
 
 async def paired(models: Sequence[Model], rounds: int, nproc: int = 2) -> list[dict[str, Any]]:
@@ -268,15 +274,16 @@ async def paired(models: Sequence[Model], rounds: int, nproc: int = 2) -> list[d
             for key, config in (("pooled", {}), ("cold", {"pool_size": 0}), ("task", {})):
                 daemons[key] = await start_daemon(base, key, config={"cpu_slots": slots, **config})
             for model in models:
-                sides = await start_sides(base, model, rounds, nproc, daemons)
+                sides, settled = await start_sides(base, model, rounds, nproc, daemons)
                 try:
-                    for n in range(rounds):
-                        for name in order(list(sides), n):
-                            await sides[name].segment()
+                    await run_rounds(sides, rounds)
                     await finish_sides(sides)
                 finally:
                     kill_sides(sides)
-                results.append(summarise(model[0], sides))
+                results.append(summarise(model[0], {n: s.rates for n, s in sides.items()},
+                                         {n: s.policy for n, s in sides.items()},
+                                         {n: s.failed for n, s in sides.items() if s.failed}, nproc, cores(),
+                                         settled))
                 print(describe(results[-1]), flush=True)
         finally:
             for d in daemons.values():
@@ -288,21 +295,33 @@ SHORT_ROUNDS, FULL_ROUNDS = 40, 100
 
 
 async def bench_paired(ctx: Any) -> None:
-    """The suite's entry (``BENCHES["paired"]``): per model, each side's segment rates
-    (``paired.<model>``) and its per-round ratios to torchrun's (``paired.<model>.ratio``)."""
-    for result in await paired(list(MODELS.values()), SHORT_ROUNDS if ctx.plan.short else FULL_ROUNDS):
-        label = result["model"]
-        rates = ctx.results.metric(f"paired.{label}", "paired", f"paired segments: steps/s ({label}, 2 ranks, CPU)",
-                                   "steps/s", higher_is_better=True)
-        ratio = ctx.results.metric(f"paired.{label}.ratio", "paired", f"paired: ÷ torchrun's, per round ({label})",
+    """The suite's entry (``BENCHES["paired"]``): per model, 2 ranks (every core of a 2-core machine
+    busy), each side's segment rates (``paired.<model>``) and its per-round ratios to torchrun's
+    (``paired.<model>.ratio``) and to torchrun at SCHED_BATCH's (``paired.<model>.ratio_batch``);
+    then the tiny model with 1 rank per side (``paired.tiny.1rank``: cores to spare)."""
+    rounds = SHORT_ROUNDS if ctx.plan.short else FULL_ROUNDS
+    results = await paired(list(MODELS.values()), rounds)
+    results += [{**r, "model": f"{r['model']}.1rank"} for r in await paired([MODELS["tiny"]], rounds, nproc=1)]
+    for result in results:
+        record_paired(ctx, result)
+
+
+def record_paired(ctx: Any, result: dict[str, Any]) -> None:
+    label, ranks = result["model"], result["ranks"]
+    rates = ctx.results.metric(f"paired.{label}", "paired", f"paired segments: steps/s ({label}, {ranks} rank(s), "
+                               f"{result['cores']} cores, CPU)", "steps/s", higher_is_better=True)
+    for side, values in result["rates"].items():
+        for v in values:
+            rates.add(side, v)
+    for key, reference in (("ratio", "torchrun"), ("ratio_batch", "torchrun (batch)")):
+        ratio = ctx.results.metric(f"paired.{label}.{key}", "paired", f"paired: ÷ {reference}'s, per round ({label})",
                                    "x", higher_is_better=True)
-        for side, values in result["rates"].items():
-            for v in values:
-                rates.add(side, v)
-        for side, values in result["ratios"].items():
-            for v in values:
+        for side, summary in result["vs"].get(reference, {}).items():
+            for v in summary["values"]:
                 ratio.add(side, v)
-        rates.notes.append(describe(result))
+    for side, reason in result["failed"].items():
+        rates.fail(side, reason)
+    rates.notes.append(describe(result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--rounds", type=int, default=FULL_ROUNDS)
     p.add_argument("--segment", type=int, help="steps per segment (default: a fifth of a second's worth per model)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks per side (2 on a 2-core machine: every core busy; "
+                   "1: a core to spare)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     labels = args.models.split(",")
@@ -317,13 +338,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.ranks < 1:
+        p.error("--ranks must be at least 1")
     if args.segment is not None and args.segment < 2:
         p.error("--segment must be at least 2 steps")
     models = [MODELS[m] if args.segment is None else (*MODELS[m][:5], args.segment) for m in labels]
-    results = anyio.run(paired, models, args.rounds)
+    results = anyio.run(paired, models, args.rounds, args.ranks)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
-    return 0
+    return 1 if any(r["failed"] for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -5,12 +5,18 @@ submit`` sends them (this interpreter, this shell's whole environment), so they 
 their (user, interpreter, environment) key, which the pool learns from the first job:
 
 - **back to back**: each round submits the classic two-layer job as a task (2 ranks, 20 steps)
-  and, as soon as it has SUCCEEDED, the same program as an unmodified torchrun script; each is
-  timed from submit to SUCCEEDED and counted as warm when all its ranks were pooled. Round 1 is
-  reported apart: its jobs find the pool filling (the daemon's own key is learned at its start,
-  since it serves its own user; another key is learned from its first job).
-- **torchrun** and **mp.spawn** run the same classic program, alternating with the rounds, for the
-  ratios.
+  and then the same program as an unmodified torchrun script; each is timed from submit to
+  SUCCEEDED and counted as warm when all its ranks were pooled.
+- **torchrun** and **mp.spawn** run the same classic program in the same rounds, for the ratios.
+
+Every side is treated alike: before each timed run (ddpd's task, ddpd's script, torchrun,
+mp.spawn) the driver waits for the daemon's pool to be idle (refilled, nothing starting) and the
+machine to be quiet (benchmarks/settle.py), so no side runs during another's refill; a run that
+never got a quiet machine is counted as unsettled. Round 1 of every side is reported apart (its
+jobs find the pool filling: the daemon's own key is learned at its start, another key from its
+first job; torchrun's and mp.spawn's first run have a cold page cache), and the ratios use the
+later rounds of each side. A ddpd job after round 1 that found no warm interpreter is kept in its
+own series (``... (not warm)``), not dropped; a failed run of any side is counted with why.
 - **memory**: the resident (VmRSS) and proportional (Pss, shared pages split) memory of each
   pooled interpreter that is ready, once the rounds are over.
 
@@ -47,6 +53,7 @@ from .common import (
     stop_daemon,
     why,
 )
+from .settle import settle
 
 STEPS = 20
 
@@ -95,10 +102,33 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+SIDES = ("task", "script", TORCHRUN_NAME, SPAWN)
+
+
+async def timed_side(d: Daemon, base: Path, name: str, n: int) -> tuple[float, bool | None]:
+    """One timed run of side `name` in round `n`: seconds, and for ddpd whether it was warm."""
+    if name == "task":
+        return await timed_job(d, as_ddpctl(task="two-layer", steps=STEPS))
+    if name == "script":
+        return await timed_job(d, as_ddpctl(script=[DDP_SCRIPT, "--task", "two-layer", "--steps", str(STEPS),
+                                                    "--stamps", str(base / f"s{n}")]))
+    return await timed_launcher(base, name), None
+
+
+def series(name: str, n: int, warm: bool | None) -> str:
+    """The series a run goes to: round 1 apart for every side, a ddpd job that found no warm
+    interpreter apart from the warm ones."""
+    if n == 0:
+        return f"{name} (round 1)"
+    if warm is None:
+        return name
+    return f"{name} ({'warm' if warm else 'not warm'})"
+
+
 async def measure(rounds: int) -> dict[str, Any]:
-    times: dict[str, list[float]] = {"task (warm)": [], "script (warm)": [], "round 1": [],
-                                     TORCHRUN_NAME: [], SPAWN: []}
-    cold_after_first = 0
+    times: dict[str, list[float]] = {}
+    failed: dict[str, list[str]] = {}
+    unsettled: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="ddpd-pool-") as tmp:
         base = Path(tmp)
         d = await start_daemon(base, "pool")
@@ -106,20 +136,19 @@ async def measure(rounds: int) -> dict[str, Any]:
             async with anyio.create_task_group() as tg:
                 await tg.start(d.follow_events)
                 for n in range(rounds):
-                    for name, spec in (("task", as_ddpctl(task="two-layer", steps=STEPS)),
-                                       ("script", as_ddpctl(script=[DDP_SCRIPT, "--task", "two-layer", "--steps",
-                                                                    str(STEPS), "--stamps", str(base / f"s{n}")]))):
-                        seconds, warm = await timed_job(d, spec)
-                        if n == 0:
-                            times["round 1"].append(seconds)
-                        elif warm:
-                            times[f"{name} (warm)"].append(seconds)
-                        else:
-                            cold_after_first += 1
-                        print(f"round {n + 1} {name:6} {seconds:.3f}s {'warm' if warm else 'cold'}", flush=True)
-                    for kind in (TORCHRUN_NAME, SPAWN):
-                        times[kind].append(await timed_launcher(base, kind))
-                        print(f"round {n + 1} {kind:8} {times[kind][-1]:.3f}s", flush=True)
+                    for name in SIDES:
+                        settled = await settle([d])  # the same wait before every side
+                        if not settled.quiet:
+                            unsettled[name] = unsettled.get(name, 0) + 1
+                        try:
+                            seconds, warm = await timed_side(d, base, name, n)
+                        except BenchError as exc:
+                            failed.setdefault(name, []).append(f"round {n + 1}: {exc}")
+                            print(f"round {n + 1} {name:8} FAILED: {exc}", flush=True)
+                            continue
+                        times.setdefault(series(name, n, warm), []).append(seconds)
+                        state = "" if warm is None else "warm" if warm else "not warm"
+                        print(f"round {n + 1} {name:8} {seconds:.3f}s {state} ({settled.text()})", flush=True)
                 pids = pool_pids(d)
                 memory = {"pids": len(pids), "rss_mib": [round(rss_mib(p), 1) for p in pids],
                           "pss_mib": [round(_pss_mib(p), 1) for p in pids]}
@@ -127,13 +156,15 @@ async def measure(rounds: int) -> dict[str, Any]:
         finally:
             with anyio.CancelScope(shield=True):
                 await stop_daemon(d)
-    result: dict[str, Any] = {k: summary(v) for k, v in times.items() if v}
-    result["cold_after_first"] = cold_after_first
+    result: dict[str, Any] = {k: summary(v) for k, v in times.items()}
+    result["not_warm_after_first"] = sum(len(v) for k, v in times.items() if k.endswith("(not warm)"))
+    result["failed"] = failed
+    result["unsettled"] = unsettled
     result["memory"] = memory
-    for name in ("task (warm)", "script (warm)"):
-        if name in result and TORCHRUN_NAME in result:
-            result[f"{name} / torchrun"] = result[name]["median"] / result[TORCHRUN_NAME]["median"]
-            result[f"{name} / mp.spawn"] = result[name]["median"] / result[SPAWN]["median"]
+    for name in ("task (warm)", "script (warm)"):  # rounds 2.. of each side alike
+        for reference in (TORCHRUN_NAME, SPAWN):
+            if name in result and reference in result:
+                result[f"{name} / {reference}"] = result[name]["median"] / result[reference]["median"]
     return result
 
 
@@ -154,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text)
-    return 0 if result["cold_after_first"] == 0 else 1
+    return 0 if result["not_warm_after_first"] == 0 and not result["failed"] else 1
 
 
 if __name__ == "__main__":

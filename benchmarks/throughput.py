@@ -117,4 +117,4 @@ async def bench_throughput(ctx: Ctx) -> None:
             return f"{value[0]:.2f} steps/s  daemon {value[1]:.1f}% CPU, {value[2]:.0f} MiB"
         return f"{value[0]:.2f} steps/s"
 
-    await ctx.alternate(plan.throughput_reps, runners, record)
+    await ctx.alternate(plan.throughput_reps, runners, record, [rate])

@@ -1,0 +1,53 @@
+"""The benchmarks' tables show every side alike: the paired table's ratios to both torchruns (as
+started and at SCHED_BATCH), each side's policy, the cores and ranks, and a failed side with its
+reason; a failed run counts against its side in the suite's table."""
+
+from __future__ import annotations
+
+from benchmarks.common import Metric
+from benchmarks.paired_table import describe, median_interval, summarise
+from benchmarks.settle import busy_ticks
+
+
+def test_paired_table_compares_with_both_torchruns_and_names_policies() -> None:
+    rates = {"ddpd": [1300.0, 1320.0, 1310.0], "torchrun": [700.0, 720.0, 730.0],
+             "torchrun (batch)": [1280.0, 1300.0, 1350.0], "ddpd (cold)": [1200.0]}
+    policies = {"ddpd": "SCHED_BATCH", "torchrun": "SCHED_OTHER", "torchrun (batch)": "SCHED_BATCH",
+                "ddpd (cold)": "SCHED_BATCH"}
+    result = summarise("tiny", rates, policies, {"ddpd (cold)": "in round 2: rank 0 said nothing"}, 1, 2,
+                       "settled 1.0s, quiet")
+    vs = result["vs"]
+    assert vs["torchrun"]["ddpd"]["values"] == [1300 / 700, 1320 / 720, 1310 / 730]
+    assert vs["torchrun (batch)"]["ddpd"]["median"] == 1320 / 1300
+    assert result["ratio"]["ddpd"]["median"] == vs["torchrun"]["ddpd"]["median"]  # the suite's key, as before
+    assert len(vs["torchrun"]["ddpd (cold)"]["values"]) == 1  # a failed side: the rounds it ran
+    text = describe(result)
+    assert "2 cores, 1 rank(s) per side (1 core(s) spare)" in text and "settled 1.0s, quiet" in text
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("ddpd  "))
+    assert "SCHED_BATCH" in row and "1.833x" in row and "1.015x" in row
+    assert "FAILED ddpd (cold): in round 2: rank 0 said nothing" in text
+
+
+def test_every_core_busy_is_said() -> None:
+    result = summarise("tiny", {"torchrun": [1.0], "ddpd": [1.0]}, {}, {}, 2, 2)
+    assert "every core busy while a side runs" in describe(result)
+
+
+def test_median_interval_widens_to_the_range_with_few_rounds() -> None:
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    values = [float(v) for v in range(100)]
+    low, high = median_interval(values)
+    assert 38 <= low < 49.5 < high <= 61
+
+
+def test_a_failed_run_counts_against_its_side() -> None:
+    metric = Metric("hot replacement", "SIGKILL → training again", "s")
+    metric.add("ddpd (hot)", 0.14)
+    metric.fail("torchrun", "rep 1: BenchError: torchrun exited with 1")
+    assert metric.series["torchrun"].values == [] and metric.failures["torchrun"] == [
+        "rep 1: BenchError: torchrun exited with 1"]
+
+
+def test_busy_ticks_read_the_whole_machine() -> None:
+    busy, total = busy_ticks()
+    assert 0 < busy < total
