@@ -114,14 +114,15 @@ def test_every_rank_re_formed_ends_the_wait_and_only_the_replacement_makes_it_re
     reps = Replacements(job, store_host_rank=0)
     r0, r1 = handles
     r = reps.begin(r1, now=10.0)
-    r.replacement = r1
-    reps.connected(r0, now=10.5)
-    assert not r.ready.is_set()
-    reps.connected(r1, now=10.25)
-    assert r.ready.is_set() and r.ready_at == 10.25
+    new = RankHandle(rank=Rank(rank=1, attempt=1), proc=r1.proc, channel=r1.channel)  # rank 1 again, a new handle
+    reps.connected(r0, now=10.5)  # a survivor
+    reps.connected(r1, now=10.5)  # the lost rank itself
+    assert not r.ready.is_set() and r.replacement is None
+    reps.connected(new, now=10.25)
+    assert r.ready.is_set() and r.ready_at == 10.25 and r.replacement is new
     reps.on_reformed(r0, now=10.4, nproc=2, generation=1)
     assert not r.done.is_set()
-    reps.on_reformed(r1, now=10.5, nproc=2, generation=1)
+    reps.on_reformed(new, now=10.5, nproc=2, generation=1)
     assert r.done.is_set() and r.joined_at == 10.5
 
 

@@ -1,7 +1,9 @@
 """One rank of an attempt: its handle, and its frames and exit turned into its state.
 
 `read_frames` decodes the rank's channel and applies each frame (phase changes, heartbeats and
-progress, checkpoints, the result or failure) through the `RankContext` the attempt provides.
+progress, checkpoints, the result or failure) with what the attempt gave it (`RankLink`), and
+reports upward on the attempt's stream (`events`) what the attempt decides on: its hello and
+assignment (`Connected`), its join, its re-form, a frame that moves a deadline, a broken protocol.
 Everything a rank sends is bounded: a frame budget (`FrameBudget`, a token bucket of
 ``rank_frames_per_second`` with a one-second burst) for all frames, a smaller one for the frames
 that are written to the journal (checkpoints, failures), and at most MAX_FAILURES failures. A rank
@@ -16,35 +18,39 @@ coalesced, checkpoint paths clipped (`store.eventbudget`): a rank cannot grow th
 A Stacks frame answers an `AskStacks` the daemon sent (`RankHandle.asked`); an unasked or late
 one is dropped.
 
-`watch_exit` waits on the rank's pidfd. A rank succeeded when it exited 0 and (task mode) sent its
-Result; a script rank needs only the clean exit (`rank_succeeded`).
+`watch_exit` waits on the rank's pidfd and reports `Exited`: whether the attempt ends or replaces
+the rank is the attempt's decision (`decide`). A rank succeeded when it exited 0 and (task mode)
+sent its Result; a script rank needs only the clean exit (`rank_succeeded`).
 """
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from ...protocol import FrameError, RankState, TransitionError
-from ...protocol.channel import Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result, Stacks
+from ...protocol.channel import Assign, Checkpointed, Failure, Heartbeat, Hello, PhaseChanged, Progress, Result, Stacks
 from ...protocol.control import RootCause
 from ...protocol.limits import clip_text
 from ...protocol.states import is_rejoin
 from ..contain import procs
 from ..pool.channel import WorkerChannel
 from ..ranklogs.logindex import RankLogs
-from ..run import lifecycle
 from ..run.clock import Clock
 from ..run.outcome import AttemptEnd, Outcome
+from ..run.rendezvous import Rendezvous, hand_over
 from ..store.eventbudget import PATH_CLIP, EventBudget, rejoin_kept
 from ..store.journal import Journal
 from ..store.records import Job, Rank
 from .deadlines import RankClock
+from .events import Connected, DeadlinesMoved, Events, Exited, Joined, ProtocolBroken, Reformed
 
 MAX_STEP = 2**63 - 1  # a step counter SQLite can store
 YIELD_EVERY = 64  # frames read between two checkpoints of the event loop
@@ -134,25 +140,19 @@ class RankHandle:
         return rank_succeeded(self.exit, self.result, script) or (self.ended_at_exit and self.result is not None)
 
 
-class RankContext(Protocol):
-    """What a rank's tasks need from their attempt."""
+@dataclass(frozen=True)
+class RankLink:
+    """What a rank's tasks are given when the attempt starts them; their only way back is `events`."""
 
     job: Job
     journal: Journal
     number: int
     clock: Clock
     frame_rate: float
-
-    def conclude(self, outcome: Outcome) -> None: ...
-    def replan(self) -> None: ...
-    def signals_sent(self) -> frozenset[str]: ...
-    async def connected(self, h: RankHandle, hello: Hello) -> None: ...
-    async def check_pgid(self, h: RankHandle) -> None: ...
-    def exit_outcome(self) -> Outcome | None: ...
-    def reported_failure(self) -> bool: ...
-    def lost(self, h: RankHandle) -> str | None: ...
-    def replace(self, h: RankHandle) -> None: ...
-    async def reformed(self, h: RankHandle, generation: int) -> None: ...
+    events: Events
+    signals: AbstractSet[str]  # the signals sent to the attempt's ranks so far (the gang's, as it grows)
+    rdzv: Rendezvous
+    assignment: Callable[[RankHandle], Assign]  # the launcher's: what the rank is sent after its hello
 
 
 def rank_succeeded(exit_: procs.Exit | None, result: Result | None, script: bool) -> bool:
@@ -184,7 +184,7 @@ def heartbeat_applier(rank: Rank, clock: Clock, budget: FrameBudget) -> Callable
     return apply
 
 
-async def read_frames(h: RankHandle, ctx: RankContext) -> None:
+async def read_frames(h: RankHandle, ctx: RankLink) -> None:
     rank, job, clock = h.rank, ctx.job, ctx.clock
     budget = FrameBudget(ctx.frame_rate, ctx.frame_rate, clock.monotonic())
     journaled = FrameBudget(JOURNALED_RATE, JOURNALED_BURST, clock.monotonic())
@@ -205,20 +205,20 @@ async def read_frames(h: RankHandle, ctx: RankContext) -> None:
                 # would later fail a write (an internal error) instead of failing the rank now
                 raise FrameError("bad_message", f"step out of range in {type(msg).__name__} frame")
             if not isinstance(msg, Heartbeat | Progress | Stacks):
-                ctx.replan()  # a hello or a phase change starts deadlines (heartbeat, progress)
+                ctx.events.send_nowait(DeadlinesMoved())  # a hello or a phase change starts deadlines
             await _apply(h, ctx, msg, now)
         await _flush_held_back(h, ctx)
     except (FrameError, TransitionError) as exc:
         message = exc.message if isinstance(exc, FrameError) else f"out-of-order frame: {exc}"
         h.fail(clock.monotonic())
         await ctx.journal.event(job, "rank.protocol_error", rank=rank.rank, message=message)
-        ctx.conclude(Outcome(AttemptEnd.FAILED, "protocol_error", RootCause(
-            reason="protocol_error", rank=rank.rank, attempt=ctx.number, phase=rank.state.value, detail=message)))
+        ctx.events.send_nowait(ProtocolBroken(Outcome(AttemptEnd.FAILED, "protocol_error", RootCause(
+            reason="protocol_error", rank=rank.rank, attempt=ctx.number, phase=rank.state.value, detail=message))))
     finally:
         h.reader_done.set()
 
 
-async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> None:
+async def _apply(h: RankHandle, ctx: RankLink, msg: object, now: float) -> None:
     rank, job, journal = h.rank, ctx.job, ctx.journal
     match msg:
         case Heartbeat(step=step):
@@ -231,7 +231,7 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                 h.last_progress_event = now
                 await journal.event(job, "rank.progress", rank=rank.rank, persist=False, step=step, loss=loss)
         case Hello() as hello:
-            await ctx.connected(h, hello)
+            await connected(h, hello, ctx)
         case Stacks(request=request) as stacks:
             if (asked := h.asked.get(request)) is not None and asked.reply is None:
                 asked.reply = stacks
@@ -245,23 +245,20 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                                state=rank.state.value)
         case PhaseChanged(phase="store_connected"):
             if h.pooled:
-                await ctx.check_pgid(h)
+                await check_pgid(h)
             await journal.rank_state(job, rank, RankState.STORE_CONNECTED, "rank.store_connected")
         case PhaseChanged(phase="joined"):
             rank.last_step_change = now
             await journal.rank_state(job, rank, RankState.JOINED, "rank.joined",
                                      seconds=round(now - rank.spawned_at, 3))
-            joined = sum(r.state in (RankState.JOINED, RankState.TRAINING) for r in job.ranks)
-            new = lifecycle.when_joined(job.state, joined, job.spec.nproc)
-            if new is not None and not ctx.reported_failure():  # a failed rank is not running (causal order)
-                await journal.job_state(job, new, "all ranks joined")
+            ctx.events.send_nowait(Joined(h))
         case PhaseChanged(phase="training"):
             rank.last_step_change = now  # DDP is built: the progress clock starts over
             if rank.state is RankState.JOINED:
                 await journal.rank_state(job, rank, RankState.TRAINING)
         case PhaseChanged(phase="reformed", generation=generation):  # hot replacement: it trains again in
             rank.last_step_change = now  # the group of `generation`
-            await ctx.reformed(h, generation)
+            ctx.events.send_nowait(Reformed(h, generation))
         case PhaseChanged(phase="done"):
             h.finished = True  # a silence from now on is a stall at exit (deadlines, rootcause)
         case PhaseChanged():
@@ -290,10 +287,10 @@ async def _apply(h: RankHandle, ctx: RankContext, msg: object, now: float) -> No
                                     traceback=h.failure.traceback)
             # not torn down yet: the rank runs its exit work and exits on its own first, as under
             # torchrun (its exit ends the attempt, `watch_exit`), within the kill grace (deadlines)
-            ctx.replan()
+            ctx.events.send_nowait(DeadlinesMoved())
 
 
-async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wanted: bool, **data: Any) -> None:
+async def _bounded(h: RankHandle, ctx: RankLink, now: float, kind: str, wanted: bool, **data: Any) -> None:
     """An event the rank may cause again and again: persisted within its budget (`eventbudget`), else live only."""
     keep = wanted and h.events.admit(now)
     await ctx.journal.event(ctx.job, kind, rank=h.rank.rank, persist=keep, **data)
@@ -306,7 +303,7 @@ async def _bounded(h: RankHandle, ctx: RankContext, now: float, kind: str, wante
                                     message=h.events.describe())
 
 
-async def _flush_held_back(h: RankHandle, ctx: RankContext) -> None:
+async def _flush_held_back(h: RankHandle, ctx: RankLink) -> None:
     """The last event the budget kept live only (the rank's last checkpoint, say) is persisted once its
     channel ends: the record's latest checkpoint is the rank's latest."""
     if h.held_back is not None:
@@ -315,10 +312,31 @@ async def _flush_held_back(h: RankHandle, ctx: RankContext) -> None:
         await ctx.journal.event(ctx.job, kind, rank=h.rank.rank, held_back=True, **data)
 
 
-async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
-    """Wait for the rank's exit (its pidfd); a failed rank ends the attempt at once."""
+async def connected(h: RankHandle, hello: Hello, ctx: RankLink) -> None:
+    """The rank said hello (to the attempt, or earlier to the pool): record it, send the assignment.
+
+    Every rank, pooled or cold, leads a session and a process group of its own (Assign.pgid 0:
+    a pooled one stays where the pool started it), checked against /proc when a pooled one
+    reports store_connected (`check_pgid`).
+    """
+    await ctx.journal.rank_state(ctx.job, h.rank, RankState.CONNECTED, "rank.connected",
+                                 worker_pid=hello.pid, protocol=hello.version, torch=hello.torch, pooled=h.pooled)
+    await hand_over(ctx.rdzv, h.channel, ctx.assignment(h))
+    ctx.events.send_nowait(Connected(h))
+
+
+async def check_pgid(h: RankHandle) -> None:
+    """A pooled rank still leads its own process group (the one the gang signals): verify it."""
+    info = await anyio.to_thread.run_sync(procs.proc_info, h.proc.pid)
+    if info is not None and h.proc.returncode is None and info.pgid != h.rank.pgid:
+        raise FrameError("pgid_mismatch", f"rank {h.rank.rank} (pid {h.proc.pid}) is in process group "
+                                          f"{info.pgid}, not its own {h.rank.pgid}")
+
+
+async def watch_exit(h: RankHandle, ctx: RankLink) -> None:
+    """Wait for the rank's exit (its pidfd), record it on the handle and report it (`Exited`)."""
     exit_ = await procs.wait_exit(h.proc)
-    h.signals_before_exit = ctx.signals_sent()
+    h.signals_before_exit = frozenset(ctx.signals)
     if h.result is None and h.failure is None:  # the rank said how it ended: no wait for its channel's end
         with anyio.move_on_after(RESULT_WAIT):  # frames sent just before exiting (the result) are read first
             await h.reader_done.wait()
@@ -328,47 +346,7 @@ async def watch_exit(h: RankHandle, ctx: RankContext) -> None:
     h.exit = exit_
     rank = h.rank
     rank.exit_code, rank.signal = exit_.code, exit_.signal
-    ok = h.succeeded(ctx.job.spec.script is not None)
-    if not ok:
+    if not h.succeeded(ctx.job.spec.script is not None):
         h.fail(ctx.clock.monotonic())
     h.exited.set()
-    # a rank lost while training may be replaced in place (replace.py): decided at once, and the
-    # replacement starts once the lost rank's exit is recorded
-    if not ok and h.failure is not None:  # it said why it failed, then exited: the attempt ends
-        ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))
-    not_replaced = None if ok else ctx.lost(h)
-    if not ok and not_replaced is not None:  # decided before the journal write: teardown starts at once
-        cause = None
-        if exit_.ok:  # exit 0 without the Result frame: not a success
-            cause = RootCause(reason="rank_failed", rank=rank.rank, attempt=ctx.number, exit_code=0,
-                              phase=rank.state.value, detail=f"rank {rank.rank} exited 0 without sending its result")
-        ctx.conclude(Outcome(AttemptEnd.FAILED, "rank_failed", cause))
-    quiet = ok or not_replaced in (NOT_ALLOWED, STOPPING)  # why not replaced, where it is news
-    told = {} if quiet else {"hot_replace": not_replaced or "replacing"}
-    await ctx.journal.rank_state(ctx.job, rank, RankState.EXITED, "rank.exited",
-                                 exit_code=exit_.code, signal=exit_.signal, **told)
-    if not ok and not_replaced is None:
-        ctx.replace(h)
-    if ok and (outcome := ctx.exit_outcome()) is not None:
-        ctx.conclude(outcome)
-
-
-def finished_outcome(handles: list[RankHandle], nproc: int, script: bool, number: int, *,
-                     cancel_requested: str | None, warned: bool, stop_warning_lead: float,
-                     wall: float | None) -> Outcome | None:
-    """Once every rank has succeeded: how the attempt ended (None while any is missing or running).
-
-    Ranks that stopped early ended on a cancel (CANCELLED) or on the wall-time warning (TIMED_OUT).
-    """
-    if len(handles) != nproc or not all(h.succeeded(script) for h in handles):
-        return None
-    stopped = any(h.result is not None and h.result.stopped_early for h in handles)
-    if stopped and cancel_requested:
-        return Outcome(AttemptEnd.CANCELLED, cancel_requested)
-    if stopped and warned:
-        step = max(h.rank.step for h in handles)
-        return Outcome(AttemptEnd.TIMED_OUT, "wall_time", RootCause(
-            reason="wall_time", attempt=number,
-            detail=f"stopped at step {step} on the wall-time warning, {stop_warning_lead:.0f}s "
-                   f"before the {wall or 0.0:.0f}s limit"))
-    return Outcome(AttemptEnd.SUCCEEDED, "all ranks succeeded")
+    ctx.events.send_nowait(Exited(h))  # the attempt decides (it may replace the rank) and records the exit

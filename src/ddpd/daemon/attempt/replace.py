@@ -5,10 +5,13 @@ replaced when the job allows it (`spec.hot_replacements`, counted over the job) 
 refusals below holds; then the survivors keep running: each is sent a `Reform` naming the next
 generation, a replacement starts with the dead rank's number, log (appended, after a marker line),
 devices and cgroup (from the warm pool when it has one, else cold), and every rank joins the
-generation's group and takes rank 0's state (`worker.reform`). The attempt waits READY_WAIT for
-the replacement to connect and REFORM_WAIT for every rank to say it re-formed; past either, or
-when the replacement dies first, it falls back to today's path: the attempt fails with the lost
-rank as its root cause, and the job restarts from its checkpoint if `max_restarts` allows.
+generation's group and takes rank 0's state (`worker.reform`). `Replacements` is the attempt's
+record of it, changed by the attempt's loop alone (the replacement's `Connected`, each rank's
+`Reformed`); `reform` is the task the loop starts for one replacement: it waits READY_WAIT for
+the replacement to connect and REFORM_WAIT for every rank to say it re-formed, and reports
+`Replaced`, or `ReplaceFailed` past either bound. Then, or when the replacement dies first, the
+attempt fails with the lost rank as its root cause, and the job restarts from its checkpoint if
+`max_restarts` allows.
 
 Refused (the attempt fails as before): the job allows none or has used them; the daemon stopped the
 rank (a timeout, a cancel, a teardown); rank 0 (it serves the attempt's store); a rank not yet
@@ -20,18 +23,16 @@ redid (the same error and message twice).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import anyio
 
 from ...protocol import RankState
 from ...protocol.channel import Reform
 from ...protocol.spec import hot_replacements
-from ..run.clock import Clock
-from ..run.outcome import AttemptEnd, Outcome
-from ..store.journal import Journal
 from ..store.records import Job
+from .events import Replaced, ReplaceFailed
 from .ranks import NOT_ALLOWED, STOPPING, RankHandle
+from .start import Starter
 
 READY_WAIT = 5.0  # seconds for the replacement to connect (pooled: at once; cold: an interpreter start)
 REFORM_WAIT = 10.0  # seconds for every rank to re-form once the replacement connected
@@ -96,8 +97,10 @@ class Replacements:
         return self.under_way
 
     def connected(self, h: RankHandle, now: float) -> None:
+        """Rank `h` connected: the replacement under way, when it has the lost rank's number."""
         r = self.under_way
-        if r is not None and r.replacement is h and not r.ready.is_set():
+        if r is not None and h is not r.lost and h.rank.rank == r.lost.rank.rank and not r.ready.is_set():
+            r.replacement = h
             r.ready_at = now
             r.ready.set()
 
@@ -114,62 +117,35 @@ class Replacements:
             r.done.set()
 
 
-class ReplaceHost(Protocol):
-    """What the re-form needs from its attempt."""
-
-    job: Job
-    journal: Journal
-    clock: Clock
-
-    @property
-    def offset(self) -> int: ...
-    def conclude(self, outcome: Outcome) -> None: ...
-    def live(self) -> list[RankHandle]: ...
-    def generation_of(self, local: int, generation: int) -> None: ...
-    async def start_replacement(self, local: int, lost: RankHandle) -> RankHandle | None: ...
-
-
-async def reform(host: ReplaceHost, reps: Replacements, r: Reforming) -> None:
-    """Replace `r.lost` in place: tell the survivors, start the replacement, wait (bounded) until every
-    rank re-formed; past a bound, the attempt fails with the lost rank as its root cause."""
-    job, lost = host.job, r.lost
+async def reform(r: Reforming, starter: Starter) -> None:
+    """Replace `r.lost` in place: tell the survivors, start the replacement (its tasks run in this
+    one's), and report, once every rank re-formed (`Replaced`) or past a bound (`ReplaceFailed`)."""
+    job, lost, journal = starter.job, r.lost, starter.journal
     rank = lost.rank.rank
-    await host.journal.event(job, "rank.lost", rank=rank, pid=lost.proc.pid, exit_code=lost.rank.exit_code,
-                             signal=lost.rank.signal, step=lost.rank.step, generation=r.generation,
-                             replacements_left=hot_replacements(job.spec) - job.hot_replaced)
-    for h in host.live():
+    await journal.event(job, "rank.lost", rank=rank, pid=lost.proc.pid, exit_code=lost.rank.exit_code,
+                        signal=lost.rank.signal, step=lost.rank.step, generation=r.generation,
+                        replacements_left=hot_replacements(job.spec) - job.hot_replaced)
+    for h in starter.gang.live():
         await h.channel.send(Reform(generation=r.generation))
     with anyio.move_on_after(LOGS_WAIT):  # its log's last look is done before the replacement writes
         await lost.tasks_done.wait()
-    host.generation_of(rank - host.offset, r.generation)
-    new = await host.start_replacement(rank - host.offset, lost)
-    if new is None:
-        return  # it could not start: the attempt failed naming why
-    r.replacement = new
-    if new.hello is not None:  # pooled: connected already
-        reps.connected(new, host.clock.monotonic())
+    local = rank - starter.offset
+    starter.launcher.generations[local] = r.generation
+    async with anyio.create_task_group() as tg:
+        if await tg.start(starter.run_rank, local, lost) is None:
+            return  # it could not start: the attempt fails naming why (StartFailed)
+        starter.link.events.send_nowait(await _wait_reform(r, starter.offset, job.spec.nproc))
+
+
+async def _wait_reform(r: Reforming, offset: int, nproc: int) -> Replaced | ReplaceFailed:
+    """Bounded: the replacement connects within READY_WAIT, then every rank re-forms within REFORM_WAIT."""
     with anyio.move_on_after(READY_WAIT) as waited:
         await r.ready.wait()
     if waited.cancelled_caught:
-        await failed(host, reps, r, f"no replacement for rank {rank} connected within {READY_WAIT:g}s")
-        return
+        return ReplaceFailed(r, f"no replacement for rank {r.lost.rank.rank} connected within {READY_WAIT:g}s")
     with anyio.move_on_after(REFORM_WAIT) as waited:
         await r.done.wait()
     if waited.cancelled_caught:
-        missing = sorted(set(range(host.offset, host.offset + job.spec.nproc)) - r.reformed)
-        await failed(host, reps, r, f"ranks {missing} did not re-form within {REFORM_WAIT:g}s")
-        return
-    now = host.clock.monotonic()
-    reps.under_way = None
-    assert r.ready_at is not None and r.joined_at is not None
-    await host.journal.event(job, "rank.replaced", rank=rank, pid=new.proc.pid, lost_pid=lost.proc.pid,
-                             generation=r.generation, pooled=new.pooled, step=new.rank.step,
-                             ready=round(r.ready_at - r.noticed, 3), reformed=round(r.joined_at - r.noticed, 3),
-                             seconds=round(now - r.noticed, 3), replacements=new.rank.replacements)
-
-
-async def failed(host: ReplaceHost, reps: Replacements, r: Reforming, why: str) -> None:
-    """The re-form failed: today's path (the attempt fails; the job restarts if it may)."""
-    await host.journal.event(host.job, "rank.replace_failed", rank=r.lost.rank.rank, generation=r.generation,
-                             reason=why)
-    host.conclude(Outcome(AttemptEnd.FAILED, "rank_failed"))
+        missing = sorted(set(range(offset, offset + nproc)) - r.reformed)
+        return ReplaceFailed(r, f"ranks {missing} did not re-form within {REFORM_WAIT:g}s")
+    return Replaced(r)

@@ -1,7 +1,8 @@
 """The hooks of a multi-node attempt: its node watch, and the root cause it settles on at the end.
 
 `watch_nodes` runs beside the attempt's ranks: it polls the rendezvous store (`NodeSession.poll`)
-every interval and ends the attempt on a verdict: another node's written failure, a lost node, the
+every interval and returns the outcome of a verdict, which the attempt's loop concludes on
+(`NodeVerdict`): another node's written failure, a lost node, the
 store unreachable (FAILED, torn down at once), or nodes waiting to join an elastic job (RESTARTING,
 graceful: the ranks checkpoint and stop, and the job re-forms without counting a restart).
 
@@ -13,8 +14,6 @@ wall time or whose daemon stops says so too, so that the others do not wait for 
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import anyio
 import msgspec
@@ -30,13 +29,6 @@ from .nodewatch import Verdict
 NODE_REASONS = frozenset({"node_lost", "node_failed", "node_unreachable", "membership_change"})
 
 
-class WatchContext(Protocol):
-    number: int
-    clock: Clock
-
-    def conclude(self, outcome: Outcome) -> None: ...
-
-
 def verdict_outcome(session: NodeSession, verdict: Verdict, number: int) -> Outcome:
     text = session.describe(verdict)
     if verdict.kind == "waiting":
@@ -46,16 +38,16 @@ def verdict_outcome(session: NodeSession, verdict: Verdict, number: int) -> Outc
     return Outcome(AttemptEnd.FAILED, reason, RootCause(reason=reason, attempt=number, detail=text))
 
 
-async def watch_nodes(session: NodeSession, ctx: WatchContext) -> None:
+async def watch_nodes(session: NodeSession, number: int, clock: Clock) -> Outcome:
+    """Publish this node's attempt as running, then poll until a verdict ends it: how it ends."""
     await session.publish("running")
     while True:
-        verdict = await session.poll(ctx.clock.monotonic())
+        verdict = await session.poll(clock.monotonic())
         if verdict is not None:
             session.mark(verdict)
             if verdict.kind == "waiting":
                 session.membership_changes += 1
-            ctx.conclude(verdict_outcome(session, verdict, ctx.number))
-            return
+            return verdict_outcome(session, verdict, number)
         await anyio.sleep(session.interval)
 
 
