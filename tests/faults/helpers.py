@@ -65,6 +65,18 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+def assert_alive_in_job(pid: int, job_id: str) -> None:
+    """`pid` runs now (not a zombie) with the job's id in its environment: an orphan the test will
+    prove reaped existed, and is the job's (a reused pid would not carry the id)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError as exc:
+        raise AssertionError(f"process {pid} of job {job_id} is not there: {exc}") from None
+    assert state != "Z", f"process {pid} of job {job_id} has exited already (a zombie)"
+    assert f"DDPD_JOB_ID={job_id}".encode() in environ, f"process {pid} is not job {job_id}'s"
+
+
 def child_pids(log_path: str) -> list[int]:
     """The pids a `spawn_children_reporting` rank printed into its log."""
     for line in Path(log_path).read_text().splitlines():

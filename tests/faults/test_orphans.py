@@ -12,7 +12,17 @@ import pytest
 from ddpd.protocol import JobState
 
 from ..conftest import DaemonProc, assert_nothing_left, start_daemon, stop_daemon
-from .helpers import await_gone, become_subreaper, child_pids, events_of, now, report_fault, report_line, wait_rank_log
+from .helpers import (
+    assert_alive_in_job,
+    await_gone,
+    become_subreaper,
+    child_pids,
+    events_of,
+    now,
+    report_fault,
+    report_line,
+    wait_rank_log,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -26,6 +36,8 @@ async def test_grandchildren_die_with_the_job(daemon: DaemonProc) -> None:
     view = await daemon.client.status(job_id)
     children = [pid for r in view.ranks for pid in child_pids(r.log or "")]
     assert len(children) == 4
+    for pid in children:  # the orphans to be: each running, and the job's
+        assert_alive_in_job(pid, job_id)
     fault_at = now()
     await daemon.client.cancel(job_id)
     with anyio.fail_after(60):
@@ -87,6 +99,9 @@ async def test_daemon_killed_then_recovered(short_tmp: Path) -> None:
             assert [(await d.client.status(j)).state for j in queued] == ["QUEUED", "QUEUED"]
             workers = [r.pid for v in views for r in v.ranks if r.pid is not None]
             children = [pid for r in views[0].ranks for pid in child_pids(r.log or "")]
+            assert len(children) == 4, children
+            for pid in children:
+                assert_alive_in_job(pid, doomed)
             killed_at, killed_wall = time.monotonic(), now()
             d.proc.send_signal(signal.SIGKILL)
             # reaped first: until the daemon has fully exited, a worker that died at once may still
@@ -97,6 +112,8 @@ async def test_daemon_killed_then_recovered(short_tmp: Path) -> None:
                 await await_gone(pid, 2.0)
             report_line(f"FAULT daemon-sigkill: {time.monotonic() - killed_at:.2f} s until all "
                         f"{len(workers)} workers were gone")
+            for pid in children[1::2]:  # the setsid escapees: orphans now, for the restart to find
+                assert_alive_in_job(pid, doomed)
             await stop_daemon(d)
         finally:
             if d.proc.returncode is None:
