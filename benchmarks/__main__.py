@@ -38,7 +38,6 @@ from .common import (
     SPAWN,
     TORCHRUN_NAME,
     Daemon,
-    Results,
     cleanup_dir,
     install_token,
     scratch_dir,
@@ -59,6 +58,7 @@ from .multinode import bench_multinode
 from .optimizer_hook import bench_optimizer_hook
 from .paired import bench_paired
 from .report import dump_json, print_report
+from .results import Results
 from .scale import bench_scale
 from .throughput import bench_throughput, daemon_idle
 

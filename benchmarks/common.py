@@ -1,4 +1,5 @@
-"""What every benchmark shares: the daemons, the launchers, /proc sampling, cleanup and statistics.
+"""What every benchmark shares: the daemons, the launchers, /proc sampling and cleanup (the
+statistics are in benchmarks/results.py).
 
 Every process a benchmark starts carries ``DDPD_BENCH_TOKEN`` in its environment (set in this
 process's environment, inherited by daemons, launchers, ranks and simulated workers), so the
@@ -12,7 +13,6 @@ import secrets
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -371,155 +371,3 @@ async def stop_daemon(d: Daemon, timeout: float = 60.0) -> int | None:
         d.proc.kill()
         await anyio.to_thread.run_sync(d.proc.wait)
     return d.proc.returncode
-
-
-# -- torchrun and mp.spawn --------------------------------------------------------------
-
-
-@dataclass
-class LauncherRun:
-    """One run of the standalone script under torchrun or mp.spawn."""
-
-    kind: str
-    proc: anyio.abc.Process
-    stamps: Path
-    log_path: Path
-    t0: float  # perf_counter just before the launcher was started
-    t0_wall: float  # time.time() at the same moment
-
-    def read_stamps(self) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
-        for path in self.stamps.glob("rank-*.json"):
-            try:
-                data = msgspec.json.decode(path.read_bytes())
-            except (OSError, msgspec.DecodeError):
-                continue
-            out[int(data["rank"])] = data
-        return out
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    async def wait_stamps(self, nproc: int, key: str, timeout: float = 300.0) -> dict[int, dict[str, Any]]:
-        """Poll the rank files until every rank has written `key` (the launcher must stay alive)."""
-        with anyio.fail_after(timeout):
-            while True:
-                stamps = self.read_stamps()
-                if len(stamps) == nproc and all(key in s for s in stamps.values()):
-                    return stamps
-                if self.proc.returncode is not None:
-                    raise BenchError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
-                await anyio.sleep(0.02)
-
-    def kill(self) -> None:
-        """The launcher's session (it was started in a new one) and every rank it wrote down."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for s in self.read_stamps().values():
-            try:
-                os.kill(int(s["pid"]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _open_log(path: Path) -> BinaryIO:
-    return open(path, "ab")  # closed by the caller once the child has it
-
-
-async def start_launcher(kind: str, base: Path, script_args: Sequence[str], nproc: int = 2,
-                         extra: Sequence[str] = ()) -> LauncherRun:
-    """torchrun (with `extra` flags of its own) or mp.spawn running ddp_script.py with `script_args`."""
-    run_dir = Path(tempfile.mkdtemp(prefix=kind.replace(".", "") + "-", dir=base))
-    stamps = run_dir / "stamps"
-    log_path = run_dir / "launcher.log"
-    port = free_port()
-    env = dict(os.environ)
-    if kind == TORCHRUN_NAME:
-        argv = [TORCHRUN, "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                *extra, DDP_SCRIPT, "--stamps", str(stamps), *script_args]
-    elif kind == SPAWN:
-        argv = [PYTHON, DDP_SCRIPT, "--spawn", str(nproc), "--stamps", str(stamps), *script_args]
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    else:
-        raise ValueError(kind)
-    log = _open_log(log_path)
-    try:
-        t0_wall, t0 = time.time(), time.perf_counter()
-        proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                        cwd=str(run_dir), start_new_session=True)
-    finally:
-        log.close()
-    return LauncherRun(kind, proc, stamps, log_path, t0, t0_wall)
-
-
-# -- statistics -------------------------------------------------------------------------
-
-
-@dataclass
-class Series:
-    """Repeated measurements of one metric under one launcher."""
-
-    values: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.values) if self.values else float("nan")
-
-    @property
-    def low(self) -> float:
-        return min(self.values) if self.values else float("nan")
-
-    @property
-    def high(self) -> float:
-        return max(self.values) if self.values else float("nan")
-
-
-@dataclass
-class Metric:
-    """One measured quantity, per launcher (a row group of the table)."""
-
-    bench: str
-    name: str
-    unit: str
-    higher_is_better: bool = False
-    series: dict[str, Series] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    # launcher -> why each of its failed runs failed: counted and shown beside its measured runs
-    failures: dict[str, list[str]] = field(default_factory=dict)
-    # launcher -> its runs measured on a machine that never got quiet (benchmarks/settle.py)
-    unsettled: dict[str, int] = field(default_factory=dict)
-
-    def add(self, launcher: str, value: float) -> None:
-        self.series.setdefault(launcher, Series()).values.append(value)
-
-    def fail(self, launcher: str, why: str) -> None:
-        self.series.setdefault(launcher, Series())  # a side whose every run failed still has its row
-        self.failures.setdefault(launcher, []).append(why)
-
-    def mark_unsettled(self, launcher: str) -> None:
-        self.unsettled[launcher] = self.unsettled.get(launcher, 0) + 1
-
-    def median(self, launcher: str) -> float:
-        s = self.series.get(launcher)
-        return s.median if s else float("nan")
-
-    def ratio(self, launcher: str, other: str) -> float:
-        a, b = self.median(launcher), self.median(other)
-        return a / b if b and b == b and a == a else float("nan")
-
-
-@dataclass
-class Results:
-    metrics: dict[str, Metric] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def metric(self, key: str, bench: str, name: str, unit: str, higher_is_better: bool = False) -> Metric:
-        if key not in self.metrics:
-            self.metrics[key] = Metric(bench, name, unit, higher_is_better)
-        return self.metrics[key]

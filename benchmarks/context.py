@@ -9,7 +9,8 @@ from typing import TypeVar
 
 from rich.console import Console
 
-from .common import Daemon, Metric, Results, settle
+from .common import Daemon, settle
+from .results import Metric, Results
 from .settle import Settled
 from .settle import settle as settle_machine
 

@@ -32,12 +32,12 @@ from .common import (
     TORCHRUN_NAME,
     BenchError,
     Daemon,
-    start_launcher,
     state_is,
     wait_gone,
     wait_group_gone,
 )
 from .context import Ctx
+from .launchers import start_launcher
 
 ENDLESS = 10**7
 WARM_STEPS = 3

@@ -29,8 +29,7 @@ import anyio.abc
 from rich.table import Table
 
 from ddpd.client import AsyncConnection
-from ddpd.protocol import JobSpec
-from ddpd.protocol.spec import Timeouts
+from ddpd.protocol import JobSpec, Timeouts
 
 from .common import DDPD, REPO, Daemon, start_daemon, stop_daemon, write_config
 from .context import Ctx

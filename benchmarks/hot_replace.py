@@ -23,14 +23,16 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import EventView
 
-from .common import REPO, TORCHRUN_NAME, BenchError, Daemon, start_daemon, start_launcher, stop_daemon
+from .common import REPO, TORCHRUN_NAME, BenchError, Daemon, start_daemon, stop_daemon
 from .context import Ctx
+from .launchers import start_launcher
 
 HOT, RESTART = "ddpd (hot)", "ddpd (restart)"
 CHECKPOINT_EVERY = 50
@@ -74,9 +76,10 @@ def scratch(ctx: Ctx, name: str) -> Path:
 
 async def ddpd_run(ctx: Ctx, d: Daemon, hot: bool) -> tuple[float, float]:
     marker = scratch(ctx, "hot" if hot else "restart") / "killed"
+    restart: dict[str, Any] = {} if hot else {"hot_replace": 0, "max_restarts": 1}
     spec = JobSpec(name="bench-hot-replace", task="benchmarks.killed_task:make", workdir=str(REPO), nproc=2,
                    steps=ENDLESS, options={"width": WIDTH, "kill_at": KILL_AT, "marker": str(marker)},
-                   checkpoint_every=CHECKPOINT_EVERY, **({} if hot else {"hot_replace": 0, "max_restarts": 1}))
+                   checkpoint_every=CHECKPOINT_EVERY, **restart)
     await pool_ready(d, POOL_SIZE)
     job_id = await d.client.submit(spec)
     try:

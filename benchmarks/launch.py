@@ -19,8 +19,9 @@ from functools import partial
 
 from ddpd.protocol import JobSpec
 
-from .common import DDPD, DDPD_COLD, FINAL, SPAWN, TORCHRUN_NAME, BenchError, Daemon, start_launcher, state_is, why
+from .common import DDPD, DDPD_COLD, FINAL, SPAWN, TORCHRUN_NAME, BenchError, Daemon, state_is, why
 from .context import Ctx
+from .launchers import start_launcher
 
 CLASSIC_STEPS = 20
 

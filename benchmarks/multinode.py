@@ -31,14 +31,13 @@ from .common import (
     TORCHRUN_NAME,
     BenchError,
     Daemon,
-    LauncherRun,
-    _open_log,
     start_daemon,
     state_is,
     stop_daemon,
     why,
 )
 from .context import Ctx
+from .launchers import LauncherRun, open_log
 
 ADDRESSES = ("10.78.0.1", "10.78.0.2")
 LINK = "mn0"
@@ -105,7 +104,7 @@ async def torchrun_two_nodes(ctx: Ctx, names: tuple[str, str], port: int) -> flo
                 "--rdzv-endpoint", f"{ADDRESSES[0]}:{port}", "--rdzv-id", f"bench-{port}",
                 "--local-addr", ADDRESSES[i], "--rdzv-conf", f"is_host={int(i == 0)}",
                 DDP_SCRIPT, "--stamps", str(stamps), "--task", "two-layer", "--steps", "20"]
-        log = _open_log(run_dir / f"node-{i}.log")
+        log = open_log(run_dir / f"node-{i}.log")
         try:
             proc = await anyio.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                             env={**os.environ, **ENV}, cwd=str(run_dir), start_new_session=True)

@@ -48,11 +48,11 @@ from .common import (
     Daemon,
     rss_mib,
     start_daemon,
-    start_launcher,
     state_is,
     stop_daemon,
     why,
 )
+from .launchers import start_launcher
 from .settle import settle
 
 STEPS = 20

@@ -11,9 +11,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .common import DDPD, DDPD_COLD, SPAWN, TORCHRUN_NAME, Metric, Results
+from .common import DDPD, DDPD_COLD, SPAWN, TORCHRUN_NAME
 from .context import Plan
 from .paired_table import median_interval
+from .results import Metric, Results
 
 EN_DASH = "\u2013"
 DASH = EN_DASH

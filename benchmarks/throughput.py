@@ -33,11 +33,11 @@ from .common import (
     CpuSample,
     Daemon,
     rss_mib,
-    start_launcher,
     state_is,
     why,
 )
 from .context import Ctx
+from .launchers import start_launcher
 
 LAYERS, WIDTH, BATCH = 4, 1024, 64
 

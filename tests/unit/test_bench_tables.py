@@ -4,8 +4,8 @@ reason; a failed run counts against its side in the suite's table."""
 
 from __future__ import annotations
 
-from benchmarks.common import Metric
 from benchmarks.paired_table import describe, median_interval, summarise
+from benchmarks.results import Metric
 from benchmarks.settle import busy_ticks
 
 
