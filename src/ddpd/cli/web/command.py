@@ -3,6 +3,7 @@ so the other commands start as fast without them, and a ddpctl without the extra
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -15,8 +16,10 @@ from ..output import error
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="Port on 127.0.0.1 (0: a free one).")
 @click.option("--open", "open_browser", is_flag=True, help="Open the URL in a browser as well.")
+@click.option("--refresh", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds between a page's refreshes when no event comes (ages, heartbeats); 0: on events only.")
 @socket_option
-def web(port: int, open_browser: bool, socket_path: Path | None) -> None:
+def web(port: int, open_browser: bool, refresh: float, socket_path: Path | None) -> None:
     """Serve a live web view of the jobs, one job and the daemon on 127.0.0.1.
 
     It prints one URL carrying a random token; nothing is served without it. It reads everything
@@ -30,7 +33,7 @@ def web(port: int, open_browser: bool, socket_path: Path | None) -> None:
         error(f"ddpctl web needs the extra 'web': pip install 'ddpd[web]' ({exc})")
         raise SystemExit(EXIT_FAILED) from None
     try:
-        anyio.run(run, socket_of(socket_path), port, open_browser)
+        anyio.run(run, socket_of(socket_path), port, open_browser, refresh or math.inf)
     except PortTaken as exc:
         error(str(exc))
         raise SystemExit(EXIT_FAILED) from None

@@ -20,6 +20,7 @@ class Web:
     token: str
     env: jinja2.Environment
     viewer: int  # the uid the daemon serves this view as
+    refresh: float = 1.0  # seconds between a page's refreshes when no event comes (inf: on events only)
 
     def url(self, path: str, **query: Any) -> str:
         """`path` with its query and the token (values None or "" left out)."""

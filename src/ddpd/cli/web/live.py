@@ -1,5 +1,6 @@
 """The live streams behind the pages: each re-renders its fragment on the hub's next event (or on
-the one-second tick that keeps ages and heartbeats current) and sends it when it changed.
+the tick, `ddpctl web --refresh`, one second by default, that keeps ages and heartbeats current)
+and sends it when it changed.
 
 A stream that cannot reach the daemon says so in the page's banner and tries again on the next tick;
 the browser's EventSource reconnects by itself when the server itself went away.
@@ -21,7 +22,6 @@ from . import data, present, sse
 from .context import Web
 from .hub import Wanted
 
-TICK = 1.0  # seconds between refreshes when no event comes
 GAP = 0.2  # seconds between two refreshes of one page at least
 FINAL_TICK = 10.0  # once the job has ended
 EVENTS_SHOWN = 500  # a job's events on its page at most (the newest)
@@ -31,10 +31,11 @@ After = Callable[[], Coroutine[Any, Any, list[bytes]]]
 
 
 async def _refreshing(web: Web, element: str, render: Callable[[], Coroutine[Any, Any, str]],
-                      tick: Callable[[], float] = lambda: TICK, after: After | None = None,
+                      tick: Callable[[], float] | None = None, after: After | None = None,
                       wanted: Wanted = lambda event: True) -> AsyncIterator[bytes]:
-    """`element` re-rendered on every event `wanted` and every tick, sent when it differs, at most
-    once every GAP seconds; then what `after` adds (a job's new events)."""
+    """`element` re-rendered on every event `wanted` and every tick (`web.refresh` unless `tick`
+    says), sent when it differs, at most once every GAP seconds; then what `after` adds (a job's
+    new events)."""
     last: str | None = None
     said: str | None = None
     position = web.hub.position
@@ -54,7 +55,7 @@ async def _refreshing(web: Web, element: str, render: Callable[[], Coroutine[Any
         for extra in [] if after is None else await after():
             yield extra
         await anyio.sleep(GAP - (anyio.current_time() - began))  # a burst of events: one render
-        position = await web.hub.wait(position, tick(), wanted)
+        position = await web.hub.wait(position, web.refresh if tick is None else tick(), wanted)
 
 
 def _job_level(event: EventView) -> bool:
@@ -101,7 +102,7 @@ async def job(web: Web, job_id: str) -> AsyncIterator[bytes]:
 
     if shown:
         yield sse.append("events", _event_rows(web, shown))
-    async for message in _refreshing(web, "job", render, lambda: FINAL_TICK if final else TICK, events,
+    async for message in _refreshing(web, "job", render, lambda: FINAL_TICK if final else web.refresh, events,
                                      lambda event: event.job_id == job_id):
         yield message
 

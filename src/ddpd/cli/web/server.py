@@ -76,14 +76,15 @@ def _config(listener: socket.socket) -> Config:
     return config
 
 
-async def run(socket_path: Path | None, port: int, open_browser: bool) -> None:
+async def run(socket_path: Path | None, port: int, open_browser: bool, refresh: float = 1.0) -> None:
     """Serve the web view of the daemon at `socket_path` until SIGINT or SIGTERM."""
     sock = bind(port)
     address = f"{HOST}:{sock.getsockname()[1]}"
     client = AsyncClient(socket_path)
     await client.ping()  # a daemon that cannot be reached is an error now, not a blank page
     hub = Hub(client)
-    web = Web(client=client, hub=hub, token=secrets.token_urlsafe(32), env=environment(), viewer=os.getuid())
+    web = Web(client=client, hub=hub, token=secrets.token_urlsafe(32), env=environment(), viewer=os.getuid(),
+              refresh=refresh)
     app = create_app(web, address)
     url = f"http://{address}/?token={web.token}"
     listener = GuardedListener(sock, Door(owner=os.getuid()))
