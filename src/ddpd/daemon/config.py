@@ -12,6 +12,7 @@ itself and is readable by others is reported with a warning.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -161,6 +162,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return msgspec.structs.replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
+@functools.cache
 def restart_only() -> tuple[str, ...]:
     """The keys marked RESTART: a reload cannot change them (they are bound or opened once at start)."""
     hints = typing.get_type_hints(Config, include_extras=True)
