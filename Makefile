@@ -27,8 +27,9 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint nftables $(VENV)/.conformance
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+# the browser tier runs in it: DDPD_TEST_BROWSER=required makes a missing browser a failure, not a skip
+test: lint nftables $(VENV)/.conformance $(VENV)/.browser
+	DDPD_TEST_BROWSER=required $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the port fences' tests need nftables (tests/adversarial/test_trust_boundary.py, test_port_fences.py):
 # installed where missing, as root
@@ -49,14 +50,17 @@ $(VENV)/.conformance: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[dev,conformance]' "$(TORCH_SPEC)"
 	touch $@
 
-# the browser tier (tests/browser): headless Chromium from Debian driven by Selenium; `make test`
-# skips it where no browser is installed
+# the browser tier (tests/browser, part of `make test`): headless Chromium from Debian (chromium,
+# chromium-driver: installed with apt where missing, as root) driven by Selenium (the `browser` extra)
 .PHONY: browser-test
-browser-test: setup
+browser-test: $(VENV)/.browser
+	DDPD_TEST_BROWSER=required $(BIN)/python -m pytest -q -p no:cacheprovider tests/browser
+
+$(VENV)/.browser: $(VENV)/.installed
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 	$(BIN)/pip install -q -e '.[dev,browser]'
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/browser
+	touch $@
 
 # the preemption loop at full length: 50 preemptions of one job, each checkpointed and resumed (issue: 100%)
 soak-preempt: setup

@@ -1,8 +1,9 @@
 """The browser tier: headless Chromium (Debian's `chromium` and `chromium-driver`) driven by
 Selenium, against a real daemon, real jobs and a real `ddpctl web`.
 
-Skipped, with the reason, where Selenium, chromium or chromedriver is missing (`make browser-test`
-installs them). The browser runs as root with the flags that needs, a new empty profile in the
+Skipped, with the reason, where Selenium, chromium or chromedriver is missing, except where
+DDPD_TEST_BROWSER=required (as `make test` and `make browser-test` run it, after installing them):
+there a missing browser fails each test. The browser runs as root with the flags that needs, a new empty profile in the
 test's temporary directory, and no network beyond 127.0.0.1; after each test, chromedriver and every
 browser process of that profile are proven gone. Selenium is blocking: its calls run in a worker
 thread so the daemon's log pump keeps running on the event loop.
@@ -30,6 +31,7 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--window-size=1280,1000")
 WAIT = 60.0  # seconds any one thing may take to appear on a page
+REQUIRED = os.environ.get("DDPD_TEST_BROWSER") == "required"
 GONE_WAIT = 15.0  # seconds the browser may take to exit after quit
 
 
@@ -114,6 +116,8 @@ class Browser:
 def browser(tmp_path: Path) -> Iterator[Browser]:
     reason = missing()
     if reason is not None:
+        if REQUIRED:
+            pytest.fail(f"DDPD_TEST_BROWSER=required: {reason}")
         pytest.skip(reason)
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
