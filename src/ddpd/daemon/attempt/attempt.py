@@ -21,6 +21,7 @@ the teardown settles the root cause with the other nodes (`multinode.settle`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -57,7 +58,7 @@ from ..run.rootcause import Evidence, explain_hang, pick_root_cause
 from ..store.journal import Journal
 from ..store.records import Job
 from .deadlines import Limits
-from .events import Launched, Stopped, open_events
+from .events import Events, Launched, Stopped, open_events
 from .gang import RankGang
 from .launch import LaunchContext, Launcher
 from .loop import Supervisor
@@ -97,10 +98,11 @@ class Attempt:
         self.limits = Limits(join=timeouts.join, heartbeat=timeouts.heartbeat, progress=timeouts.progress,
                              heartbeat_interval=config.heartbeat_interval, wall=timeouts.wall,
                              stop_warning=timeouts.stop_warning, failed_exit=timeouts.kill_grace)
-        self._events, self._receive = open_events()
-        self.supervisor = Supervisor(job, journal, number, self.clock, self.limits, self.gang, self._events,
+        self.supervisor = Supervisor(job, journal, number, self.clock, self.limits, self.gang,
                                      heartbeat_interval=config.heartbeat_interval, kill_grace=timeouts.kill_grace,
                                      nodes=nodes)
+        self._events: Events | None = None  # the send side of the attempt's stream, while it runs
+        self._starter: Starter | None = None
         # the owner's tree (usertree, layout): <state_dir>/users/<uid>/jobs/<job>/{attempt-<n>,checkpoints}
         self.job_dir = user_job_dir(config.state_dir, job.owner_uid, job.id)
         self.dir = user_attempt_dir(config.state_dir, job.owner_uid, job.id, number)
@@ -131,7 +133,9 @@ class Attempt:
     def conclude(self, outcome: Outcome) -> None:
         """End the attempt so (a preemption, say): the first conclusion wins; its loop is woken."""
         self.supervisor.conclude(outcome)
-        self._events.send_nowait(Stopped())
+        if self._events is not None:  # its loop runs: wake it (before, the loop finds the conclusion at its start)
+            with contextlib.suppress(anyio.ClosedResourceError):
+                self._events.send_nowait(Stopped())
 
     def signals_sent(self) -> frozenset[str]:
         return frozenset(self.gang.signals_sent)
@@ -211,21 +215,27 @@ class Attempt:
     async def _supervise(self, rdzv: Rendezvous, logs: LogKeeper) -> None:
         """The attempt's task group: its log keeper, its launch (every rank's tasks run in it) and its loop."""
         sup = self.supervisor
-        async with anyio.create_task_group() as tg:
+        send, receive = open_events()
+        with send, receive:
+            self._events = send
             try:
-                tg.start_soon(logs.run)
-                starter = await self._prepare(rdzv, logs)
-                if starter is not None:
-                    tg.start_soon(starter.launch)
-                else:
-                    self._events.send_nowait(Launched())
-                await sup.run(tg, self._receive, starter)
+                async with anyio.create_task_group() as tg:
+                    try:
+                        tg.start_soon(logs.run)
+                        starter = self._starter = await self._prepare(rdzv, logs, send)
+                        if starter is not None:
+                            tg.start_soon(starter.launch)
+                        else:
+                            send.send_nowait(Launched())
+                        await sup.run(tg, send, receive, starter)
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            if not sup.torn_down:  # cancelled from outside: the daemon is stopping
+                                sup.conclude(Outcome(AttemptEnd.DAEMON_STOPPING, "daemon_shutdown", graceful=True))
+                                await sup.teardown(self._starter)
+                            tg.cancel_scope.cancel()
             finally:
-                with anyio.CancelScope(shield=True):
-                    if not sup.torn_down:  # cancelled from outside: the daemon is stopping
-                        sup.conclude(Outcome(AttemptEnd.DAEMON_STOPPING, "daemon_shutdown", graceful=True))
-                        await sup.teardown()
-                    tg.cancel_scope.cancel()
+                self._events = None
 
     def _finish_outcome(self, outcome: Outcome) -> Outcome:
         stopped = any(h.result is not None and h.result.stopped_early for h in self.handles)
@@ -249,7 +259,7 @@ class Attempt:
 
     # -- before the first rank ---------------------------------------------------------------
 
-    async def _prepare(self, rdzv: Rendezvous, logs: LogKeeper) -> Starter | None:
+    async def _prepare(self, rdzv: Rendezvous, logs: LogKeeper, events: Events) -> Starter | None:
         """The attempt's directories, cgroup, limits, launcher and row (with its marker and cgroup,
         before any rank: a daemon killed mid-spawn finds this attempt's processes); None when the
         directories cannot be made (the attempt concluded so)."""
@@ -274,7 +284,7 @@ class Attempt:
         await self.journal.save_attempt(job, self.number, pgid=None, store_port=launcher.rdzv.port,
                                         token=self.token, cgroup=cgroup)
         link = RankLink(job=job, journal=self.journal, number=self.number, clock=self.clock,
-                        frame_rate=float(self.config.rank_frames_per_second), events=self._events,
+                        frame_rate=float(self.config.rank_frames_per_second), events=events,
                         signals=self.gang.signals_sent, rdzv=rdzv, assignment=launcher.assignment)
         return Starter(config=self.config, journal=self.journal, job=job, number=self.number,
                        identity=self.identity, attempt_dir=self.dir, launcher=launcher, gang=self.gang, logs=logs,

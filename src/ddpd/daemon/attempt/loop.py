@@ -91,10 +91,10 @@ class Timer:
 class Supervisor:
     """An attempt's decisions: its conclusion, its deadlines, its ranks' exits and replacements."""
 
-    def __init__(self, job: Job, journal: Journal, number: int, clock: Clock, limits: Limits, gang: RankGang,
-                 events: Events, *, heartbeat_interval: float, kill_grace: float, nodes: NodeSession | None) -> None:
+    def __init__(self, job: Job, journal: Journal, number: int, clock: Clock, limits: Limits, gang: RankGang, *,
+                 heartbeat_interval: float, kill_grace: float, nodes: NodeSession | None) -> None:
         self.job, self.journal, self.number, self.clock = job, journal, number, clock
-        self.limits, self.gang, self.events, self.nodes = limits, gang, events, nodes
+        self.limits, self.gang, self.nodes = limits, gang, nodes
         self.heartbeat_interval, self.kill_grace = heartbeat_interval, kill_grace
         self.outcome: Outcome | None = None
         self.concluded = anyio.Event()
@@ -103,7 +103,6 @@ class Supervisor:
         self.started_wall = clock.time()
         self.replacements = Replacements(job, store_host_rank=None)
         self.torn_down = False
-        self._timer = Timer(clock, events)
         self._watching = False  # every rank was started: the deadlines are watched
         self._due = False  # a deadline may have appeared, moved earlier or come: check them
         self._tearing = False
@@ -119,15 +118,17 @@ class Supervisor:
                                 cancel_requested=self.job.cancel_requested, warned=self.warned,
                                 stop_warning_lead=self.limits.stop_warning_lead, wall=self.limits.wall)
 
-    async def run(self, tg: anyio.abc.TaskGroup, receive: MemoryObjectReceiveStream[Event],
+    async def run(self, tg: anyio.abc.TaskGroup, events: Events, receive: MemoryObjectReceiveStream[Event],
                   starter: Starter | None) -> None:
         """Decide on every event until the teardown ended (`TornDown`)."""
+        self.events = events
+        self._timer = Timer(self.clock, events)
         tg.start_soon(self._timer.run)
         since_check = 0
         while True:
             if self.outcome is not None and not self._tearing:
                 self._tearing = True
-                tg.start_soon(self._teardown_task)
+                tg.start_soon(self._teardown_task, starter)
             idle = receive.statistics().current_buffer_used == 0
             if self._due and self.outcome is None and (idle or since_check >= CHECK_EVERY):
                 since_check = 0
@@ -292,17 +293,21 @@ class Supervisor:
 
     # -- teardown --------------------------------------------------------------------------
 
-    async def _teardown_task(self) -> None:
-        await self.teardown()
+    async def _teardown_task(self, starter: Starter | None) -> None:
+        await self.teardown(starter)
         self.events.send_nowait(TornDown())
 
-    async def teardown(self) -> None:
-        """Stop, dump, TERM, KILL and sweep (`teardown.escalate`), shielded: no process of the attempt is left."""
+    async def teardown(self, starter: Starter | None) -> None:
+        """Stop, dump, TERM, KILL and sweep (`teardown.escalate`), shielded: no process of the attempt is
+        left. A rank start under way ends first (its process joins the gang); none begins after."""
         assert self.outcome is not None
         outcome = self.outcome
         self.gang.reason = outcome.reason
-        t0 = self.clock.monotonic()
         with anyio.CancelScope(shield=True):
+            if starter is not None:
+                async with starter.spawning:
+                    pass
+            t0 = self.clock.monotonic()
             await escalate(self.gang, self.clock, self.kill_grace, graceful=outcome.graceful, hang=outcome.hang)
             await self.journal.event(self.job, "job.torn_down", seconds=round(self.clock.monotonic() - t0, 3),
                                      reason=outcome.reason)

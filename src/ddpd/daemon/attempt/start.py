@@ -7,7 +7,9 @@ The ranks' tasks run inside it (a replacement's inside its re-form, `replace.ref
 
 `run_rank` starts one rank (`launch.Launcher`, cold or from the warm pool) or the replacement of a
 lost one (its log appended after a marker line), and enters it into the gang and the job's ranks
-before anything else is awaited: a started process is always torn down with its attempt. Then its
+before anything else is awaited, under `spawning`: the teardown takes that lock before it begins
+and no start begins once the attempt concluded, so a started process is always torn down with its
+attempt (the launch runs beside the attempt's loop, and a conclusion may come mid-start). Then its
 record and ``rank.spawned`` are written, its starter is told (`task_status`), and its reader, exit
 watch and log keeping run, bound to its job, attempt and rank in structlog's contextvars. A rank
 that cannot start reports `StartFailed` (its starter is told None).
@@ -16,7 +18,7 @@ that cannot start reports `StartFailed` (its starter is told None).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ class Starter:
     concluded: anyio.Event  # the attempt concluded: no further rank starts
     token: str
     cgroup: str | None
+    spawning: anyio.Lock = field(default_factory=anyio.Lock)  # held while a rank's process starts
 
     @property
     def offset(self) -> int:
@@ -107,11 +110,29 @@ class Starter:
                 h.tasks_done.set()
 
     async def _start(self, local: int, lost: RankHandle | None) -> RankHandle | None:
-        """Start the rank (its log appended after a marker line for a replacement, its place in the gang
-        and the job's ranks taken over); None when it cannot start (`StartFailed` said why)."""
+        """Start the rank and record it; None when it cannot start (`StartFailed` said why) or the
+        attempt concluded."""
+        log_path = self.attempt_dir / rank_log_name(self.offset + local)
+        async with self.spawning:  # the teardown waits for a start under way; none begins after a conclusion
+            if self.concluded.is_set():
+                return None
+            h = await self._spawn(local, lost, log_path)
+        if h is None:
+            return None
+        job = self.job
+        await self.journal.save_rank(job, h.rank)
+        told: dict[str, Any] = {"pooled": True} if h.pooled else {}
+        if lost is not None:
+            told["replaces"] = lost.proc.pid
+        await self.journal.event(job, "rank.spawned", rank=h.rank.rank, pid=h.proc.pid, pgid=h.rank.pgid,
+                                 log=str(log_path), **told)
+        return h
+
+    async def _spawn(self, local: int, lost: RankHandle | None, log_path: Path) -> RankHandle | None:
+        """Start the process (its log appended after a marker line for a replacement) and give it its
+        place in the gang and the job's ranks (taken over from `lost`) before anything else is awaited."""
         job, launcher = self.job, self.launcher
         r = self.offset + local
-        log_path = self.attempt_dir / rank_log_name(r)
         try:
             fds = await anyio.to_thread.run_sync(create_logs, self.config.state_dir, self.identity, job.id,
                                                  self.number, r)
@@ -149,12 +170,6 @@ class Starter:
             h.rank.replacements = lost.rank.replacements + 1
             self.gang.take_over(lost, h)
             job.ranks[job.ranks.index(lost.rank)] = h.rank
-        await self.journal.save_rank(job, h.rank)
-        told: dict[str, Any] = {"pooled": True} if h.pooled else {}
-        if lost is not None:
-            told["replaces"] = lost.proc.pid
-        await self.journal.event(job, "rank.spawned", rank=r, pid=h.proc.pid, pgid=h.rank.pgid,
-                                 log=str(log_path), **told)
         return h
 
     async def _release_store_host(self) -> None:
