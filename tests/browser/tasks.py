@@ -25,3 +25,26 @@ def chatty(ctx: TaskContext) -> Task:
         print(f"rank {ctx.rank} at step {step}", flush=True)
 
     return dataclasses.replace(task, batches=slow_batches, on_step=on_step)
+
+
+NARROW_TOP, NARROW_DROP = 1.0051, 0.0014  # a loss from 1.0051 down to 1.0037
+
+
+def narrow(ctx: TaskContext) -> Task:
+    """`chatty` whose loss barely moves: NARROW_TOP at step 1, down to NARROW_TOP - NARROW_DROP at
+    step `span` (option, 40), flat after; for a chart whose ticks need more than three digits."""
+    task = chatty(ctx)
+    span = int(ctx.options.get("span", 40))
+    at = [1]
+    inner = task.on_step
+    assert inner is not None
+
+    def on_step(step: int) -> None:
+        at[0] = step
+        inner(step)
+
+    def loss(output: Any, batch: Any) -> Any:
+        moved = NARROW_DROP * min(at[0] - 1, span) / span
+        return task.loss(output, batch) * 0 + (NARROW_TOP - moved)  # the graph kept: backward still runs
+
+    return dataclasses.replace(task, loss=loss, on_step=on_step)

@@ -92,6 +92,33 @@ async def test_cancel_on_the_job_page(daemon: DaemonProc, tmp_path: Path, browse
     assert_nothing_left([await daemon.client.status(job_id)])
 
 
+async def test_the_chart_of_a_narrow_loss_in_a_long_job(daemon: DaemonProc, tmp_path: Path,
+                                                        browser: Browser) -> None:
+    """The live chart of a job 40-odd steps into 400,000 whose loss went from 1.0051 to 1.0037: its
+    loss ticks read differently (they read 1.01, 1, 1, 1, 1) and its x axis spans the steps run, the
+    planned end said in words (the steps run were a vertical line at the left edge)."""
+    job_id = await ddpctl_submit(daemon, "--task", "tests.browser.tasks:narrow", "--nproc", "2", "--steps", "400000",
+                                 "--option", "step_sleep=0.02", "--option", "span=40", "--name", "narrow")
+    async with web_server(daemon.socket) as web:
+        await browser.get(web.at(f"/jobs/{job_id}"))
+        await browser.until("Number((document.querySelector('svg.chart') || {dataset: {}}).dataset.points) >= 8")
+        chart = "document.querySelector('svg.chart')"
+        await browser.until(f"{chart}.querySelector('.label').textContent === 'step (of 400000 planned)'")
+        ticks = await browser.js(f"return [...{chart}.querySelectorAll('text.tick:not(.rate-label)')]"
+                                 ".map(t => [Number(t.getAttribute('x')), t.textContent])")
+        loss_labels = [text for x, text in ticks if x < 64]  # right-aligned left of the frame
+        assert len(loss_labels) >= 2 and len(set(loss_labels)) == len(loss_labels), loss_labels
+        assert all(1.0037 <= float(text) <= 1.0051 for text in loss_labels), loss_labels
+        step_labels = [int(text) for x, text in ticks if x >= 64]
+        assert step_labels and max(step_labels) < 40_000, step_labels  # the steps run, not the 400000 planned
+        last = await browser.js(f"return Number({chart}.querySelector('circle.last').getAttribute('cx'))")
+        assert last == 720 - 56  # the latest step ends the axis
+        await browser.screenshot(tmp_path / "narrow.png")
+    await daemon.client.cancel(job_id, force=True)
+    await wait_state(daemon, job_id, "CANCELLED")
+    assert_nothing_left([await daemon.client.status(job_id)])
+
+
 async def test_no_token_no_page(daemon: DaemonProc, tmp_path: Path, browser: Browser) -> None:
     job = await daemon.run(daemon.spec(steps=2, name="private-name"))
     async with web_server(daemon.socket) as web:
