@@ -10,7 +10,6 @@ import anyio
 import msgspec
 import pytest
 
-from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.protocol import MAX_FRAME, JobState
 from ddpd.protocol.control import JobView
 
@@ -97,7 +96,6 @@ async def test_a_fifo_in_place_of_a_rank_log_is_reported(door: DaemonProc) -> No
     await ping_within(door.client, 5)
 
 
-@pytest.mark.skipif(not hasattr(Scheduler, "remove"), reason="Scheduler.remove (job retention) is not in this tree")
 async def test_rm_forgets_an_ended_job(door: DaemonProc) -> None:
     view = await door.run(door.spec(task="two-layer", steps=1))
     running = await door.client.submit(door.spec(task="tests.tasks:slow", steps=10_000))

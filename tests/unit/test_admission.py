@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from ddpd.daemon.config import Config
+from ddpd.daemon.queue.facade import Jobs
 from ddpd.daemon.queue.resources import Resources
-from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.errors import LimitError, StorageError
 from ddpd.daemon.store.journal import Journal
@@ -27,27 +27,30 @@ async def no_sleep(_: float) -> None:
 
 
 @pytest.fixture
-async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
+async def sched(tmp_path: Path) -> AsyncIterator[Jobs]:
     db = StateDB(tmp_path / "ddpd.db", busy_timeout=0.05)
     config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_queued=3, max_queued_per_user=2,
                     priority_range=(-10, 10), max_kill_grace=30.0)
-    yield Scheduler(config, Journal(db, EventBus(), retries=(), sleep=no_sleep), Resources(0, 4))
+    yield Jobs(config, Journal(db, EventBus(), retries=(), sleep=no_sleep), Resources(0, 4))
     db.close()
 
 
 SPEC = JobSpec(task="two-layer", nproc=1)
 
 
-async def test_same_key_returns_the_same_job(sched: Scheduler) -> None:
-    job, existed = await sched.submit(SPEC, 1000, "retry-1")
-    again, existed_again = await sched.submit(SPEC, 1000, "retry-1")
-    other, other_existed = await sched.submit(SPEC, 1001, "retry-1")  # keys are per owner
+async def test_same_key_returns_the_same_job(sched: Jobs) -> None:
+    done = await sched.submit(SPEC, 1000, "retry-1")
+    job, existed = done.job, done.existing
+    done = await sched.submit(SPEC, 1000, "retry-1")
+    again, existed_again = done.job, done.existing
+    done = await sched.submit(SPEC, 1001, "retry-1")  # keys are per owner
+    other, other_existed = done.job, done.existing
     assert (existed, existed_again, other_existed) == (False, True, False)
     assert again is job and other is not job
-    assert len(sched.jobs) == 2
+    assert len(sched.table.jobs) == 2
 
 
-async def test_concurrent_submits_with_one_key_make_one_job(sched: Scheduler) -> None:
+async def test_concurrent_submits_with_one_key_make_one_job(sched: Jobs) -> None:
     results = []
 
     async def one() -> None:
@@ -56,19 +59,20 @@ async def test_concurrent_submits_with_one_key_make_one_job(sched: Scheduler) ->
     async with anyio.create_task_group() as tg:
         tg.start_soon(one)
         tg.start_soon(one)
-    assert sorted(existed for _, existed in results) == [False, True]
-    assert results[0][0] is results[1][0] and len(sched.jobs) == 1
+    assert sorted(done.existing for done in results) == [False, True]
+    assert results[0].job is results[1].job and len(sched.table.jobs) == 1
 
 
-async def test_keys_survive_a_restart(sched: Scheduler, tmp_path: Path) -> None:
-    job, _ = await sched.submit(SPEC, 1000, "k")
-    fresh = Scheduler(sched.config, sched.journal, Resources(0, 4))
+async def test_keys_survive_a_restart(sched: Jobs, tmp_path: Path) -> None:
+    job = (await sched.submit(SPEC, 1000, "k")).job
+    fresh = Jobs(sched.config, sched.journal, Resources(0, 4))
     await fresh.recover()
-    again, existed = await fresh.submit(SPEC, 1000, "k")
+    done = await fresh.submit(SPEC, 1000, "k")
+    again, existed = done.job, done.existing
     assert existed and again.id == job.id
 
 
-async def test_queue_limits_per_user_and_in_all(sched: Scheduler) -> None:
+async def test_queue_limits_per_user_and_in_all(sched: Jobs) -> None:
     await sched.submit(SPEC, 1000)
     await sched.submit(SPEC, 1000)
     with pytest.raises(LimitError, match="max_queued_per_user"):
@@ -76,7 +80,7 @@ async def test_queue_limits_per_user_and_in_all(sched: Scheduler) -> None:
     await sched.submit(SPEC, 1001)
     with pytest.raises(LimitError, match="max_queued"):
         await sched.submit(SPEC, 1002)
-    first = next(iter(sched.jobs.values()))
+    first = next(iter(sched.table.jobs.values()))
     await sched.cancel(first, "test", force=False)  # an ended job no longer counts
     await sched.submit(SPEC, 1002)
 
@@ -87,19 +91,19 @@ async def test_queue_limits_per_user_and_in_all(sched: Scheduler) -> None:
     (JobSpec(task="two-layer", nproc=1, timeouts=Timeouts(kill_grace=31.0)), "timeouts.kill_grace"),
     (JobSpec(task="two-layer", nproc=5), "nproc"),
 ])
-async def test_bounds_name_the_field(sched: Scheduler, spec: JobSpec, field: str) -> None:
+async def test_bounds_name_the_field(sched: Jobs, spec: JobSpec, field: str) -> None:
     with pytest.raises(SpecError) as info:
         await sched.submit(spec, 1000)
     assert info.value.field == field
-    assert sched.jobs == {}
+    assert sched.table.jobs == {}
 
 
-async def test_bad_key_is_refused(sched: Scheduler) -> None:
+async def test_bad_key_is_refused(sched: Jobs) -> None:
     with pytest.raises(SpecError, match="idempotency_key"):
         await sched.submit(SPEC, 1000, "x" * 201)
 
 
-async def test_a_job_that_cannot_be_saved_leaves_no_trace(sched: Scheduler) -> None:
+async def test_a_job_that_cannot_be_saved_leaves_no_trace(sched: Jobs) -> None:
     """Bug: a failed write answered an error, yet the job stayed queued in memory and later ran."""
     holder = sqlite3.connect(sched.journal.db.path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
@@ -109,6 +113,7 @@ async def test_a_job_that_cannot_be_saved_leaves_no_trace(sched: Scheduler) -> N
     finally:
         holder.rollback()
         holder.close()
-    assert sched.jobs == {} and sched.unended == {} and sched.counts() == (0, 0)
-    job, existed = await sched.submit(SPEC, 1000, "k")  # the retry is a new job, saved
+    assert sched.table.jobs == {} and sched.table.unended == {} and sched.active_and_queued() == (0, 0)
+    done = await sched.submit(SPEC, 1000, "k")  # the retry is a new job, saved
+    job, existed = done.job, done.existing
     assert not existed and job.state is JobState.QUEUED

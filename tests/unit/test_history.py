@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ddpd.daemon.config import Config
+from ddpd.daemon.queue.facade import Jobs
 from ddpd.daemon.queue.resources import Resources
-from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.journal import Journal
 from ddpd.daemon.store.state import StateDB
@@ -22,25 +22,26 @@ SPEC = JobSpec(task="two-layer", nproc=1)
 
 
 @pytest.fixture
-async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
+async def sched(tmp_path: Path) -> AsyncIterator[Jobs]:
     db = StateDB(tmp_path / "ddpd.db")
-    s = Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
+    s = Jobs(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
     s.table.history = 2  # two ended jobs held in memory
     yield s
     db.close()
 
 
-async def test_old_ended_jobs_leave_memory_not_the_record(sched: Scheduler) -> None:
+async def test_old_ended_jobs_leave_memory_not_the_record(sched: Jobs) -> None:
     ids = []
     for i in range(4):
-        job, _ = await sched.submit(SPEC, 1000, f"k{i}")
+        job = (await sched.submit(SPEC, 1000, f"k{i}")).job
         await sched.cancel(job, "test", force=False)
         ids.append(job.id)
-    live, _ = await sched.submit(SPEC, 1000)
-    assert set(sched.jobs) == {ids[2], ids[3], live.id}
+    live = (await sched.submit(SPEC, 1000)).job
+    assert set(sched.table.jobs) == {ids[2], ids[3], live.id}
     old = await sched.lookup(ids[0])
     assert old is not None and old.state is JobState.CANCELLED and old.finished.is_set()
-    again, existed = await sched.submit(SPEC, 1000, "k0")  # its key still names it
+    done = await sched.submit(SPEC, 1000, "k0")  # its key still names it
+    again, existed = done.job, done.existing
     assert existed and again.id == ids[0]
     page = await sched.page(3)
     assert [j.id for j in page] == [live.id, ids[3], ids[2]] and page[0] is live
@@ -52,17 +53,17 @@ async def test_old_ended_jobs_leave_memory_not_the_record(sched: Scheduler) -> N
     assert sched.state_counts()[JobState.CANCELLED] == 3 and await sched.lookup(ids[0]) is None
 
 
-async def test_recovery_loads_only_the_recent_history(sched: Scheduler) -> None:
+async def test_recovery_loads_only_the_recent_history(sched: Jobs) -> None:
     ids = []
     for _ in range(4):
-        job, _ = await sched.submit(SPEC, 1000)
+        job = (await sched.submit(SPEC, 1000)).job
         await sched.cancel(job, "test", force=False)
         ids.append(job.id)
-    live, _ = await sched.submit(SPEC, 1000)
-    fresh = Scheduler(sched.config, sched.journal, Resources(0, 4))
+    live = (await sched.submit(SPEC, 1000)).job
+    fresh = Jobs(sched.config, sched.journal, Resources(0, 4))
     fresh.table.history = 2
     await fresh.recover()
-    assert set(fresh.jobs) == {ids[2], ids[3], live.id}
+    assert set(fresh.table.jobs) == {ids[2], ids[3], live.id}
     assert fresh.state_counts()[JobState.CANCELLED] == 4
-    job, _ = await fresh.submit(SPEC, 1000)
+    job = (await fresh.submit(SPEC, 1000)).job
     assert job.seq == live.seq + 1

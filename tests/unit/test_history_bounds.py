@@ -11,10 +11,10 @@ import anyio
 import pytest
 
 from ddpd.daemon.config import Config, ConfigError, load_config
-from ddpd.daemon.queue import scheduler
+from ddpd.daemon.queue import history
+from ddpd.daemon.queue.facade import Jobs
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.queue.retention import beyond_bounds, past_bounds
-from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.journal import Journal
 from ddpd.daemon.store.state import StateDB
@@ -50,26 +50,26 @@ def test_the_bounds_are_config_keys_with_ranges(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
+async def sched(tmp_path: Path) -> AsyncIterator[Jobs]:
     db = StateDB(tmp_path / "ddpd.db")
     config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=3)
-    s = Scheduler(config, Journal(db, EventBus()), Resources(0, 4))
-    s.accepting = False  # no worker here: the queue starts nothing
+    s = Jobs(config, Journal(db, EventBus()), Resources(0, 4))
+    s.scheduler.accepting = False  # no worker here: the queue starts nothing
     yield s
     db.close()
 
 
-async def ended(sched: Scheduler, uid: int, **kw: object) -> str:
-    job, _ = await sched.submit(JobSpec(task="two-layer", nproc=1, **kw), uid)  # type: ignore[arg-type]
+async def ended(sched: Jobs, uid: int, **kw: object) -> str:
+    job = (await sched.submit(JobSpec(task="two-layer", nproc=1, **kw), uid)).job  # type: ignore[arg-type]
     await sched.cancel(job, "test", force=False)  # a cancelled job counts as any ended one
     return job.id
 
 
-async def test_a_users_oldest_ended_jobs_are_retired_never_another_users(sched: Scheduler) -> None:
+async def test_a_users_oldest_ended_jobs_are_retired_never_another_users(sched: Jobs) -> None:
     bobs = [await ended(sched, BOB) for _ in range(3)]
     events = sched.journal.bus.subscribe()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sched.run, tg)
+        tg.start_soon(sched.run)
         anns = [await ended(sched, ANN) for _ in range(5)]
         with anyio.fail_after(10):  # each end of hers wakes the retention task: her fifth one's retirement
             async for event in events:
@@ -86,37 +86,37 @@ async def test_a_users_oldest_ended_jobs_are_retired_never_another_users(sched: 
     assert not [e for e in await sched.journal.list_events(None, 0, 1000) if e.job_id is None]
 
 
-async def test_a_submit_at_the_bound_is_told_and_one_past_it_retires_first(sched: Scheduler) -> None:
-    first = await sched.submit_noting(SPEC, ANN)
+async def test_a_submit_at_the_bound_is_told_and_one_past_it_retires_first(sched: Jobs) -> None:
+    first = await sched.submit(SPEC, ANN)
     assert first.notices == []
     await sched.cancel(first.job, "test", force=False)
     ids = [first.job.id]
     for _ in range(3):  # no retention task runs here: her ends are retired only by her submits
         ids.append(await ended(sched, ANN))
     assert [j for j, _ in await sched.journal.history_of(ANN)] == ids  # past the bound (3) by one
-    done = await sched.submit_noting(SPEC, ANN)
+    done = await sched.submit(SPEC, ANN)
     assert len(done.notices) == 1, done.notices
     notice = done.notices[0]
     assert "your history is at its bound: 3 ended jobs kept" in notice and "max_history_per_user = 3" in notice
     assert notice.endswith(f"retired now: {ids[0]}"), notice
     assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[1:]
-    assert (await sched.submit_noting(SPEC, BOB)).notices == []
+    assert (await sched.submit(SPEC, BOB)).notices == []
 
 
 async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> None:
     db = StateDB(tmp_path / "ddpd.db")
     config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=0,
                     max_history_bytes_per_user=3 * 2200)
-    sched = Scheduler(config, Journal(db, EventBus()), Resources(0, 4))
-    sched.accepting = False
+    sched = Jobs(config, Journal(db, EventBus()), Resources(0, 4))
+    sched.scheduler.accepting = False
     try:
         big = {"environ": {"PAD": "x" * 1500}}
         kept = await ended(sched, ANN, **big)
-        waiting, _ = await sched.submit(JobSpec(task="two-layer", nproc=1, after_any=[kept]), ANN)
+        waiting = (await sched.submit(JobSpec(task="two-layer", nproc=1, after_any=[kept]), ANN)).job
         others = [await ended(sched, ANN, **big) for _ in range(4)]
         sizes = dict(await sched.journal.history_of(ANN))
         assert all(1500 < size <= 2200 for size in sizes.values()), sizes  # the padded environment, counted
-        done = await sched.submit_noting(SPEC, ANN)
+        done = await sched.submit(SPEC, ANN)
         left = await sched.journal.history_of(ANN)
         assert [j for j, _ in left] == [kept, others[-2], others[-1]]  # the one waited for stays, and counts
         assert sum(size for _, size in left) <= 3 * 2200 and "max_history_bytes_per_user = 6.45 KiB" in done.notices[0]
@@ -125,19 +125,19 @@ async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> N
         db.close()
 
 
-async def test_a_long_backlog_is_retired_a_batch_at_a_time(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_long_backlog_is_retired_a_batch_at_a_time(sched: Jobs, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bound lowered (or a daemon upgraded) over a long history: a submit waits for one batch only,
     the retention task takes the rest."""
-    sched.config = Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=0)
+    sched.reconfigure(Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=0))
     ids = [await ended(sched, ANN) for _ in range(7)]
-    sched.config = Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=1)
-    monkeypatch.setattr(scheduler, "RETIRE_BATCH", 2)
-    done = await sched.submit_noting(SPEC, ANN)
+    sched.reconfigure(Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=1))
+    monkeypatch.setattr(history, "RETIRE_BATCH", 2)
+    done = await sched.submit(SPEC, ANN)
     assert done.notices[0].endswith(f"retired now: {ids[0]}, {ids[1]}"), done.notices
     assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[2:]
     events = sched.journal.bus.subscribe()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sched.run, tg)
+        tg.start_soon(sched.run)
         with anyio.fail_after(10):
             async for event in events:
                 if event.kind == "job.history_retired" and ids[5] in event.data["retired"]:
@@ -148,7 +148,7 @@ async def test_a_long_backlog_is_retired_a_batch_at_a_time(sched: Scheduler, mon
 
 async def test_the_ended_jobs_of_an_older_database_are_counted_once_at_the_upgrade(tmp_path: Path) -> None:
     db = StateDB(tmp_path / "ddpd.db")
-    sched = Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
+    sched = Jobs(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
     job_id = await ended(sched, ANN, environ={"PAD": "y" * 3000})
     db.run_sync(lambda c: c.execute("ALTER TABLE jobs DROP COLUMN stored_bytes"))  # as schema 6 had it
     db.close()

@@ -19,8 +19,9 @@ from ddpd.daemon.config import Config
 from ddpd.daemon.control.metrics import Metrics
 from ddpd.daemon.control.samplers import RankTarget, Usage, sample
 from ddpd.daemon.gpu.gpus import GpuInfo
+from ddpd.daemon.queue.facade import Jobs
 from ddpd.daemon.queue.resources import Resources
-from ddpd.daemon.queue.scheduler import Scheduler
+from ddpd.daemon.queue.runner import JobRunner
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.curves import CurveStore
 from ddpd.daemon.store.journal import Journal
@@ -56,23 +57,23 @@ def child() -> Iterator[subprocess.Popen[bytes]]:
 
 
 @pytest.fixture
-async def sched(tmp_path: Path) -> AsyncIterator[Scheduler]:
+async def sched(tmp_path: Path) -> AsyncIterator[Jobs]:
     db = StateDB(tmp_path / "ddpd.db")
-    yield Scheduler(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(GPUS, 4))
+    yield Jobs(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(GPUS, 4))
     db.close()
 
 
-def running_job(sched: Scheduler, pid: int) -> Job:
+def running_job(sched: Jobs, pid: int) -> Job:
     job = Job(id="j7-beef", seq=7, name="t", owner_uid=1000, spec=JobSpec(task="two-layer", nproc=2, steps=100),
               state=JobState.RUNNING, submitted_at=time.time(), attempt=1, gpus=["GPU-1"])
     job.ranks = [Rank(rank=0, attempt=1, state=RankState.TRAINING, pid=pid, step=12, last_frame=time.monotonic()),
                  Rank(rank=1, attempt=1, state=RankState.TRAINING, pid=None, step=11, last_frame=time.monotonic())]
     sched.table.add(job)
-    sched.running.add(job.id)
+    sched.runners.add(JobRunner(job, sched.supervision))  # started (its runner not run: no worker here)
     return job
 
 
-async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Scheduler,
+async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Jobs,
                                                                  child: subprocess.Popen[bytes]) -> None:
     job = running_job(sched, child.pid)
     curves = CurveStore(sched.journal)
@@ -101,7 +102,7 @@ async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Schedule
     assert not any(name.startswith("ddpd_gpu_") for name in got)  # no NVML asked: no GPU series, no error
 
 
-async def test_gpu_series_name_the_job_that_holds_each_gpu(sched: Scheduler) -> None:
+async def test_gpu_series_name_the_job_that_holds_each_gpu(sched: Jobs) -> None:
     job = running_job(sched, pid=2**22 + 1)
     metrics = Metrics(sched, time.monotonic(), "v", gpus=False)
     metrics.collector.usage = Usage(gpus=[*GPUS, GpuInfo(index=2, name="H200", uuid="GPU-2", memory_total=1,

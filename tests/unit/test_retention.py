@@ -11,8 +11,8 @@ import pytest
 
 from ddpd.daemon.config import Config
 from ddpd.daemon.layout import job_dir
+from ddpd.daemon.queue.facade import Jobs
 from ddpd.daemon.queue.resources import Resources
-from ddpd.daemon.queue.scheduler import Scheduler
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.errors import ForbiddenError, NotRunnableError
 from ddpd.daemon.store.journal import Journal
@@ -33,30 +33,30 @@ class Clock:
 
 
 @pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[tuple[Scheduler, Clock]]:
+async def setup(tmp_path: Path) -> AsyncIterator[tuple[Jobs, Clock]]:
     db = StateDB(tmp_path / "ddpd.db")
     clock = Clock()
     config = Config(state_dir=tmp_path, socket=tmp_path / "s", retention=3600.0)
-    yield Scheduler(config, Journal(db, EventBus()), Resources(0, 4), clock=clock), clock
+    yield Jobs(config, Journal(db, EventBus()), Resources(0, 4), clock=clock), clock
     db.close()
 
 
-async def ended_job(sched: Scheduler) -> str:
-    job, _ = await sched.submit(SPEC, 1000, "key")
+async def ended_job(sched: Jobs) -> str:
+    job = (await sched.submit(SPEC, 1000, "key")).job
     job_dir(sched.config.state_dir, job.id).mkdir(parents=True)
     (job_dir(sched.config.state_dir, job.id) / "rank-0.log").write_text("log")
     await sched.cancel(job, "test", force=False)
     return job.id
 
 
-async def test_expired_job_is_pruned_with_its_files(setup: tuple[Scheduler, Clock]) -> None:
+async def test_expired_job_is_pruned_with_its_files(setup: tuple[Jobs, Clock]) -> None:
     sched, clock = setup
     job_id = await ended_job(sched)
-    kept, _ = await sched.submit(SPEC, 1000)  # not ended: never pruned
-    sched.accepting = False  # no worker in this test: the queue starts nothing
+    kept = (await sched.submit(SPEC, 1000)).job  # not ended: never pruned
+    sched.scheduler.accepting = False  # no worker in this test: the queue starts nothing
     events = sched.journal.bus.subscribe()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sched.run, tg)
+        tg.start_soon(sched.run)
         clock.offset = 3600.5  # the first job's time has come (a reload makes the pruner look again)
         sched.reconfigure(sched.config)
         with anyio.fail_after(10):
@@ -65,22 +65,23 @@ async def test_expired_job_is_pruned_with_its_files(setup: tuple[Scheduler, Cloc
                     break
         tg.cancel_scope.cancel()
     assert event.data["pruned"] == job_id
-    assert job_id not in sched.jobs and not job_dir(sched.config.state_dir, job_id).exists()
-    assert [j.id for j in await sched.journal.load_jobs()] == [kept.id] and kept.id in sched.jobs
+    assert job_id not in sched.table.jobs and not job_dir(sched.config.state_dir, job_id).exists()
+    assert [j.id for j in await sched.journal.load_jobs()] == [kept.id] and kept.id in sched.table.jobs
     assert await sched.journal.list_events(job_id, 0, 100) == []
-    again, existed = await sched.submit(SPEC, 1000, "key")  # the key went with the job
+    done = await sched.submit(SPEC, 1000, "key")  # the key went with the job
+    again, existed = done.job, done.existing
     assert not existed and again.id != job_id
 
 
-async def test_rm_by_owner_or_root_only_of_ended_jobs(setup: tuple[Scheduler, Clock]) -> None:
+async def test_rm_by_owner_or_root_only_of_ended_jobs(setup: tuple[Jobs, Clock]) -> None:
     sched, _ = setup
-    running, _ = await sched.submit(SPEC, 1000)
+    running = (await sched.submit(SPEC, 1000)).job
     with pytest.raises(NotRunnableError, match="QUEUED"):
         await sched.remove(running, 1000)
     job_id = await ended_job(sched)
-    job = sched.jobs[job_id]
+    job = sched.table.jobs[job_id]
     with pytest.raises(ForbiddenError, match="uid 1000"):
         await sched.remove(job, 1001)
     await sched.remove(job, 0)
-    assert job_id not in sched.jobs and not job_dir(sched.config.state_dir, job_id).exists()
+    assert job_id not in sched.table.jobs and not job_dir(sched.config.state_dir, job_id).exists()
     assert job.state is JobState.CANCELLED

@@ -17,7 +17,7 @@ import structlog
 from anyio.abc import SocketListener, TaskStatus
 
 from .. import __version__
-from ..protocol import PROTOCOL_VERSION, JobState
+from ..protocol import PROTOCOL_VERSION
 from ..protocol.control import DaemonInfo
 from .config import Config, ConfigError, load_config, parse_listen, reloaded
 from .contain.cgroups import JOBS_DIR, Subtree, prepare_subtree, probe, remove_emptied
@@ -35,9 +35,8 @@ from .multinode.agentproc import sweep_agents
 from .notify import SystemdNotifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
+from .queue.facade import Jobs
 from .queue.resources import Resources
-from .queue.scheduler import Scheduler
-from .run.lifecycle import ACTIVE
 from .store.bus import EventBus
 from .store.curves import CurveStore
 from .store.journal import Journal
@@ -68,20 +67,17 @@ class Daemon:
         self._stop_count = 0
         self._adopted = False
         self._socket_path: Path = config.socket
-        self.scheduler: Scheduler | None = None
+        self.jobs: Jobs | None = None
         self.pool: WarmPool | None = None
 
     def counts(self) -> tuple[int, int]:
         """Jobs starting or running (restarts included), and jobs queued, by their recorded state."""
-        if self.scheduler is None:
-            return 0, 0
-        states = [j.state for j in self.scheduler.jobs.values()]
-        return sum(s in ACTIVE for s in states), states.count(JobState.QUEUED)
+        return (0, 0) if self.jobs is None else self.jobs.active_and_queued()
 
     def info(self) -> DaemonInfo:
-        assert self.scheduler is not None
+        assert self.jobs is not None
         running, queued = self.counts()
-        res = self.scheduler.resources
+        res = self.jobs.resources
         return DaemonInfo(
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(),
             uptime=round(time.monotonic() - self.started, 3), socket=str(self._socket_path),
@@ -107,8 +103,8 @@ class Daemon:
             self.notifier.send("READY=1")  # a reload ends (failed or not): systemctl reload returns
         new, changed, ignored = reloaded(old, new)  # the keys marked RESTART keep their old value
         self.config = new
-        if self.scheduler is not None:
-            self.scheduler.reconfigure(new)
+        if self.jobs is not None:
+            self.jobs.reconfigure(new)
         set_level(new.log_level)
         # at info, or at the new level when that hides info lines: a reload always shows in the log
         level = new.log_level.lower() if parse_level(new.log_level) > logging.INFO else "info"
@@ -146,9 +142,8 @@ class Daemon:
                      force=self._stop_count > 1)
             if self._stop_count == 1:
                 self._stop.set()
-            elif self.scheduler is not None:
-                for attempt in list(self.scheduler.attempts.values()):
-                    attempt.force()
+            elif self.jobs is not None:
+                await self.jobs.force_stop()
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         # signals are received from the start: one arriving during recovery waits for the handler task
@@ -175,24 +170,24 @@ class Daemon:
         self.pool = pool if pool.size else None
         if os.geteuid() != 0 or cfg.allow_root_jobs:  # the daemon's own user is served: its key is known now
             pool.use(own_shape(cfg), 1)  # two interpreters, until a job of it says how many ranks it has
-        self.scheduler = scheduler = Scheduler(cfg, journal, resources, self.pool, subtree=subtree)
+        self.jobs = jobs = Jobs(cfg, journal, resources, self.pool, subtree=subtree)
         listener: SocketListener | None = None
         try:
-            await scheduler.recover()
+            await jobs.recover()
             metrics = metrics_listener = None
             if cfg.metrics_listen is not None:
-                metrics = Metrics(scheduler, self.started, __version__, curves)
+                metrics = Metrics(jobs, self.started, __version__, curves)
                 host, port = parse_listen(cfg.metrics_listen)
                 metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
             listener = await self._listen()
-            server = ControlServer(scheduler, self.info, self.reload, curves)
+            server = ControlServer(jobs, self.info, self.reload, curves)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
                 tg.start_soon(reap_forever)  # a subreaper: every inherited zombie is reaped
                 tg.start_soon(self._follow_status, bus)
                 tg.start_soon(curves.run)
                 await tg.start(pool.run)
-                tg.start_soon(scheduler.run, tg)
+                tg.start_soon(jobs.run)
                 tg.start_soon(accept_forever, listener, server.handle, "control")
                 tg.start_soon(self.notifier.watchdog)
                 if metrics is not None and metrics_listener is not None:
@@ -212,8 +207,8 @@ class Daemon:
                 self._status()
                 running, queued = self.counts()
                 log.info("daemon.stopping", running=running, queued=queued,
-                         kill_grace=scheduler.config.defaults.kill_grace)
-                await scheduler.shutdown(force=False)
+                         kill_grace=jobs.config.defaults.kill_grace)
+                await jobs.shutdown(force=False)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

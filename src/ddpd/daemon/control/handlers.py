@@ -66,9 +66,7 @@ from ..config import ConfigError
 from ..contain.identity import Identity, UnknownUser, check_serves, job_environment, submitted_environment
 from ..gpu.gpuview import daemon_gpus, with_rank_gpus
 from ..multinode.placement import check_rank, held_ranks
-from ..queue.fairshare import share_views
-from ..queue.jobids import resolve
-from ..queue.scheduler import Scheduler
+from ..queue.facade import Jobs
 from ..store.curves import CurveStore, curve_result
 from ..store.errors import (
     BadConfigError,
@@ -92,7 +90,7 @@ Answer = Awaitable[Any] | AsyncIterator[Any]
 class Context:
     """What the handlers act on; built once by the control server."""
 
-    scheduler: Scheduler
+    jobs: Jobs
     info: Callable[[], DaemonInfo]
     reload: Callable[[], Awaitable[None]]
     curves: CurveStore | None
@@ -101,7 +99,7 @@ class Context:
 
 def route(ctx: Context, req: Request, uid: int) -> Answer:
     """The handler of `req` for the peer `uid` (ForbiddenError where this daemon does not serve it)."""
-    check_served(uid, ctx.scheduler.config.allow_root_jobs)
+    check_served(uid, ctx.jobs.config.allow_root_jobs)
     match req:
         case HelloReq():
             return hello(req)
@@ -177,16 +175,16 @@ async def resubmit(ctx: Context, req: Resubmit, uid: int) -> SubmitResult:
 
 async def status(ctx: Context, req: Status, uid: int) -> JobView:
     job = await _job(ctx, req.job_id)
-    view = await with_rank_gpus(positioned(job.view(), ctx.scheduler.queue_positions()), job,
-                                ctx.scheduler.resources, ctx.scheduler.health.utilization)
+    view = await with_rank_gpus(positioned(job.view(), ctx.jobs.queue_positions()), job,
+                                ctx.jobs.resources, ctx.jobs.utilization)
     return visible_view(view, await _detail(ctx, uid))
 
 
 async def list_jobs(ctx: Context, req: ListJobs, uid: int) -> JobPage:
     limit = min(req.limit, LIST_LIMIT)
-    jobs = await ctx.scheduler.page(limit + 1, req.before, active=not req.all)
+    jobs = await ctx.jobs.page(limit + 1, req.before, active=not req.all)
     return job_page(jobs, active_only=not req.all, limit=limit, before=req.before,
-                    detail=await _detail(ctx, uid), positions=ctx.scheduler.queue_positions())
+                    detail=await _detail(ctx, uid), positions=ctx.jobs.queue_positions())
 
 
 async def cancel(ctx: Context, req: Cancel, uid: int) -> CancelResult:
@@ -197,7 +195,7 @@ async def cancel(ctx: Context, req: Cancel, uid: int) -> CancelResult:
     if job.cancel_requested is not None and not req.force:
         return CancelResult(action="already_stopping", job=fit_view(job.view()))
     queued = job.state.value == "QUEUED"
-    await ctx.scheduler.cancel(job, f"cancelled by {await anyio.to_thread.run_sync(_user_label, uid)}", req.force)
+    await ctx.jobs.cancel(job, f"cancelled by {await anyio.to_thread.run_sync(_user_label, uid)}", req.force)
     action = "cancelled" if queued else "killing" if req.force else "stopping"
     return CancelResult(action=action, job=fit_view(job.view()))
 
@@ -210,37 +208,36 @@ async def wait(ctx: Context, req: Wait, uid: int) -> JobView:
 
 async def logs(ctx: Context, req: Logs, uid: int) -> AsyncIterator[LogChunk]:
     job = await _detailed(ctx, req.job_id, uid, "logs")
-    held = functools.partial(held_ranks, ctx.scheduler.journal, job)  # by global rank (multinode.placement)
+    held = functools.partial(held_ranks, ctx.jobs.journal, job)  # by global rank (multinode.placement)
     asked = ([] if req.rank is None else [req.rank]) + (req.ranks or [])
     if asked:
         mine = await held(req.attempt or job.attempt)
         for r in asked:
             check_rank(job, r, mine)
-    async for chunk in log_chunks(ctx.scheduler.config.state_dir, job, req, held):
+    async for chunk in log_chunks(ctx.jobs.config.state_dir, job, req, held):
         yield chunk
 
 
 async def events(ctx: Context, req: Events, uid: int) -> AsyncIterator[EventView]:
-    found = (job_events(ctx.scheduler.journal, await _detailed(ctx, req.job_id, uid, "events"), req)
-             if req.job_id else visible_events(ctx.scheduler, req, uid, await _detail(ctx, uid)))
+    found = (job_events(ctx.jobs.journal, await _detailed(ctx, req.job_id, uid, "events"), req)
+             if req.job_id else visible_events(ctx.jobs, req, uid, await _detail(ctx, uid)))
     async for event in found:
         yield clip_event(event)
 
 
 async def remove(ctx: Context, req: Remove, uid: int) -> RemoveResult:
     job = await _job(ctx, req.job_id)
-    await ctx.scheduler.remove(job, uid)  # the owner or root (Job.check_owner)
+    await ctx.jobs.remove(job, uid)  # the owner or root (Job.check_owner)
     return RemoveResult(job_id=job.id)
 
 
 async def stacks(ctx: Context, req: StacksReq, uid: int) -> StacksResult:
     job = await _detailed(ctx, req.job_id, uid, "stacks")
-    attempt = ctx.scheduler.attempts.get(job.id)
-    if attempt is None or job.state.final:
+    if not ctx.jobs.runs(job):
         raise NotRunnableError(f"job {job.id} is {job.state.value}, not running")
     if req.rank is not None:
-        check_rank(job, req.rank, await held_ranks(ctx.scheduler.journal, job, job.attempt))
-    return await attempt.stacks(req.rank, req.native)
+        check_rank(job, req.rank, await held_ranks(ctx.jobs.journal, job, job.attempt))
+    return await ctx.jobs.stacks(job, req.rank, req.native)
 
 
 async def curve(ctx: Context, req: CurveReq, uid: int) -> CurveResult:
@@ -258,8 +255,7 @@ async def daemon_info(ctx: Context) -> DaemonInfo:
     info = ctx.info()
     if info.gpus == 0:
         return info
-    running = ctx.scheduler.running_jobs()
-    devices, note = await daemon_gpus(running, ctx.scheduler.resources)
+    devices, note = await daemon_gpus(ctx.jobs.running_jobs(), ctx.jobs.resources)
     return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
 
 
@@ -274,7 +270,7 @@ async def reload(ctx: Context, uid: int) -> None:
 
 async def whoami(ctx: Context, uid: int) -> WhoAmI:
     """The caller as this daemon sees it: passwd and group databases, the config's admin group."""
-    cfg = ctx.scheduler.config
+    cfg = ctx.jobs.config
     viewer, admin = await anyio.to_thread.run_sync(viewer_of, uid, cfg.admin_group)
     groups = [] if viewer is None else await anyio.to_thread.run_sync(viewer.group_names)
     return WhoAmI(uid=uid, name=None if viewer is None else viewer.name, groups=groups, admin_group=cfg.admin_group,
@@ -286,18 +282,15 @@ async def gpu_release(ctx: Context, req: GpuRelease, uid: int) -> GpuReleaseResu
     """Lift a GPU's quarantine (queue.gpuhealth): root, the daemon's user and the admin group only."""
     if not (may_reload(uid) or (await _detail(ctx, uid))(-1)):  # -1: anyone's: an admin
         raise ForbiddenError("only root and the admin group may release a quarantined GPU")
-    record = await ctx.scheduler.health.release(req.gpu, uid)
+    record = await ctx.jobs.release_gpu(req.gpu, uid)
     return GpuReleaseResult(gpu=record.label, reason=record.reason, since=record.at)
 
 
 async def share(ctx: Context) -> ShareResult:
     """Each user's usage and fair-share factor (queue.fairshare), with their names where passwd has them."""
-    sched = ctx.scheduler
-    usage = sched.share.now(sched.clock())
-    views = share_views(usage, sched.fair_factors(frozenset(usage)), sched.unended.values(), sched.running)
+    views, half_life = ctx.jobs.share_table()
     names = await anyio.to_thread.run_sync(lambda: {v.uid: _user_name(v.uid) for v in views})
-    return ShareResult(users=[msgspec.structs.replace(v, name=names[v.uid]) for v in views],
-                       half_life=sched.share.half_life)
+    return ShareResult(users=[msgspec.structs.replace(v, name=names[v.uid]) for v in views], half_life=half_life)
 
 
 def _user_name(uid: int) -> str | None:
@@ -312,11 +305,11 @@ def _user_name(uid: int) -> str | None:
 
 async def _job(ctx: Context, job_id: str) -> Job:
     """The job a request names: its id or a unique prefix (not_found, ambiguous: see jobids)."""
-    return await resolve(ctx.scheduler.table, job_id)
+    return await ctx.jobs.resolve(job_id)
 
 
 async def _detail(ctx: Context, uid: int) -> Detail:
-    return await detail_for(uid, ctx.scheduler.config.admin_group)
+    return await detail_for(uid, ctx.jobs.config.admin_group)
 
 
 async def _detailed(ctx: Context, job_id: str, uid: int, what: str) -> Job:
@@ -328,12 +321,12 @@ async def _detailed(ctx: Context, job_id: str, uid: int, what: str) -> Job:
 
 
 async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> SubmitResult:
-    if not ctx.scheduler.accepting:
+    if not ctx.jobs.accepting:
         raise ShuttingDownError("the daemon is shutting down")
     try:
         spec = check_spec(spec)
         await _check_submitter(ctx, spec, uid)
-        done = await ctx.scheduler.submit_noting(spec, uid, idempotency_key=key)
+        done = await ctx.jobs.submit(spec, uid, idempotency_key=key)
     except SpecError as exc:
         raise BadSpecError(str(exc)) from None
     return SubmitResult(job_id=done.job.id, existing=done.existing, notices=done.notices)
@@ -341,7 +334,7 @@ async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> Sub
 
 async def _check_submitter(ctx: Context, spec: JobSpec, uid: int) -> None:
     """Who may submit (check_serves) and whether the job's interpreter runs for them (SpecError `python`)."""
-    cfg = ctx.scheduler.config
+    cfg = ctx.jobs.config
     refusal = check_serves(os.geteuid(), uid, cfg.allow_root_jobs)
     if refusal is not None:
         raise ForbiddenError(refusal)

@@ -1,12 +1,12 @@
 """An optional Prometheus endpoint (off by default, loopback by default), exposed through prometheus-client.
 
 The series live in a private `CollectorRegistry`: a custom collector (`DaemonCollector`) reads the
-scheduler, the curves and the last resource sample at scrape time; the durations are
+daemon's jobs (`queue.facade`), the curves and the last resource sample at scrape time; the durations are
 prometheus-client Histograms and the counters are folded in from the daemon's event bus, so they count
 exactly what the journal records; `ProcessCollector` and `PlatformCollector` describe the daemon's own
 process. Per scrape, the ranks' memory and CPU time and the GPUs (NVML, where present) are read in a
 worker thread within a bounded time (`samplers`); the exposition itself is `generate_latest`, on the
-event loop, so the collector reads the scheduler between two of its changes. Label values are escaped
+event loop, so the collector reads the jobs between two of their changes. Label values are escaped
 by the library.
 
 Series: ddpd_info, ddpd_uptime_seconds, ddpd_jobs{state}, ddpd_queue_depth, ddpd_ranks{state},
@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from ...protocol import JobState, RankState
 from ...protocol.control import EventView
-from ..queue.scheduler import Scheduler
+from ..queue.facade import Jobs
 from ..store.bus import EventBus
 from ..store.curves import CurveStore
 from .metrics_http import MetricsServer
@@ -48,9 +48,9 @@ SAMPLE_TIMEOUT = 5.0  # seconds a scrape waits for the resource sample; past it,
 class Metrics:
     """What the endpoint serves; `consume` keeps the event-derived series up to date."""
 
-    def __init__(self, scheduler: Scheduler, started: float, version: str, curves: CurveStore | None = None,
+    def __init__(self, jobs: Jobs, started: float, version: str, curves: CurveStore | None = None,
                  *, gpus: bool = True) -> None:
-        self.scheduler = scheduler
+        self.jobs = jobs
         self.started = started
         self.version = version
         self.curves = curves
@@ -101,7 +101,7 @@ class Metrics:
 
     def targets(self) -> list[RankTarget]:
         """The live ranks of running jobs, with their pids."""
-        sched = self.scheduler
+        sched = self.jobs
         return [RankTarget(job.id, r.attempt, r.rank, r.pid)
                 for job in sched.running_jobs()
                 for r in job.ranks if r.pid is not None and r.state is not RankState.EXITED]
@@ -122,7 +122,7 @@ def _gauge(name: str, help_: str, labels: list[str] | None = None) -> GaugeMetri
 
 
 class DaemonCollector(Collector):
-    """The scheduler's, the curves' and the last sample's series, read when the registry is collected."""
+    """The jobs', the curves' and the last sample's series, read when the registry is collected."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -132,7 +132,7 @@ class DaemonCollector(Collector):
         return []  # names are not registered up front: the collector's series vary with the jobs
 
     def collect(self) -> Iterator[Metric]:
-        m, sched, now = self.metrics, self.metrics.scheduler, time.monotonic()
+        m, sched, now = self.metrics, self.metrics.jobs, time.monotonic()
         info = _gauge("ddpd_info", "Daemon version.", ["version"])
         info.add_metric([m.version], 1)
         yield info
@@ -167,7 +167,7 @@ class DaemonCollector(Collector):
                                 value=self.usage.skipped)
 
     def _ranks_and_jobs(self, now: float) -> Iterator[Metric]:
-        m, sched = self.metrics, self.metrics.scheduler
+        m, sched = self.metrics, self.metrics.jobs
         rank_labels = ["job_id", "attempt", "rank"]
         states = dict.fromkeys((s.value for s in RankState), 0)
         age = _gauge("ddpd_rank_heartbeat_age_seconds", "Seconds since the last frame of each live rank.", rank_labels)
@@ -207,7 +207,7 @@ class DaemonCollector(Collector):
         yield self._quarantined()
         if not self.usage.gpus:
             return  # no NVML (or no GPU): no GPU series
-        sched = self.metrics.scheduler
+        sched = self.metrics.jobs
         labels = ["gpu", "uuid"]
         used = _gauge("ddpd_gpu_memory_used_bytes", "Memory in use on each GPU (NVML).", labels)
         total = _gauge("ddpd_gpu_memory_total_bytes", "Memory of each GPU (NVML).", labels)
@@ -243,10 +243,10 @@ class DaemonCollector(Collector):
         yield from (used, total, util, holder, share, draining)
 
     def _quarantined(self) -> Metric:
-        """Every quarantined device, from the scheduler (NVML may not answer for a GPU off the bus)."""
+        """Every quarantined device, from the daemon's resources (NVML may not answer for a GPU off the bus)."""
         gauge = _gauge("ddpd_gpu_quarantined", "1 for each GPU held out of service after a fault, until released.",
                        ["gpu", "uuid", "reason"])
-        res = self.metrics.scheduler.resources
+        res = self.metrics.jobs.resources
         for gpu in res.devices:
             if gpu.entry in res.quarantined:
                 gauge.add_metric([gpu.label, gpu.uuid, res.quarantined[gpu.entry]], 1)

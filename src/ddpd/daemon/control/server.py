@@ -40,7 +40,7 @@ from ...protocol.control import (
 )
 from ...protocol.limits import clip_text
 from ...protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_dir
-from ..queue.scheduler import Scheduler
+from ..queue.facade import Jobs
 from ..store.curves import CurveStore
 from ..store.errors import DaemonError
 from ..store.private import make_dirs
@@ -93,14 +93,14 @@ def secure_socket(path: Path, mode: int, group: str | None) -> None:
 
 
 class ControlServer:
-    def __init__(self, scheduler: Scheduler, info: Callable[[], DaemonInfo],
+    def __init__(self, jobs: Jobs, info: Callable[[], DaemonInfo],
                  reload: Callable[[], Awaitable[None]], curves: CurveStore | None = None) -> None:
-        self.scheduler = scheduler
+        self.jobs = jobs
         self.curves = curves
         self.info = info
         self.reload = reload
-        self.context = Context(scheduler, info, reload, curves, InterpreterChecks(
-            scheduler.subtree, lambda: scheduler.config.interpreter_checks_per_user))
+        self.context = Context(jobs, info, reload, curves, InterpreterChecks(
+            jobs.subtree, lambda: jobs.config.interpreter_checks_per_user))
         self.door = Door()
         self.privilege = Privilege()
         self.refused = 0  # connections refused for max_connections since start
@@ -135,7 +135,7 @@ class ControlServer:
     async def _admission(self, uid: int) -> str | None:
         """Why a connection of `uid` is refused now (see `door.Door`), or None; the admin group is
         looked up only for a connection that would otherwise be refused."""
-        cfg = self.scheduler.config
+        cfg = self.jobs.config
         limits = (cfg.max_connections, cfg.max_connections_per_user)
         refusal = self.door.refusal(uid, is_daemon_user(uid), *limits)
         if refusal is None or is_daemon_user(uid) or not await self.privilege.of(uid, cfg.admin_group):
@@ -149,12 +149,12 @@ class ControlServer:
         if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
             self._refusal_logged = now
             log.warning("control.connections_refused", open=self.connections, uid=uid, of_uid=self.door.open[uid],
-                        max_connections=self.scheduler.config.max_connections, refused=self.refused)
+                        max_connections=self.jobs.config.max_connections, refused=self.refused)
 
     async def _serve(self, stream: SocketStream, uid: int) -> None:
         reader = FrameReader(stream, MAX_REQUEST)
         while True:
-            cfg = self.scheduler.config
+            cfg = self.jobs.config
             try:
                 line = await reader.next_frame(cfg.idle_timeout, cfg.frame_timeout)
             except FrameError as exc:
@@ -174,7 +174,7 @@ class ControlServer:
         except FrameError as exc:  # a result too large for one frame (replies are bounded: a bug)
             log.error("control.reply_too_large", error=exc.message)
             data = encode(Error(id=reply.id, code=ErrorCode.INTERNAL, message=exc.message))
-        with anyio.move_on_after(self.scheduler.config.idle_timeout if timeout is None else timeout):
+        with anyio.move_on_after(self.jobs.config.idle_timeout if timeout is None else timeout):
             try:
                 await stream.send(data)
                 return True

@@ -17,7 +17,7 @@ import anyio.to_thread
 
 from ...protocol.control import Events, EventView
 from ..contain.identity import Identity, UnknownUser, admin_gid, may_see_detail
-from ..queue.scheduler import Scheduler
+from ..queue.facade import Jobs
 from ..store.records import Job
 from .replies import Detail
 from .streams import job_events
@@ -57,13 +57,13 @@ def not_yours(job: Job, what: str) -> str:
     return f"job {job.id} belongs to uid {job.owner_uid}; its {what} are for its owner, root and the admin group"
 
 
-async def visible_events(scheduler: Scheduler, req: Events, uid: int, detail: Detail) -> AsyncIterator[EventView]:
+async def visible_events(jobs: Jobs, req: Events, uid: int, detail: Detail) -> AsyncIterator[EventView]:
     """Every job's events (`events` without a job id), less those of jobs `uid` may not see in detail."""
     owners: dict[str, int | None] = {}
-    async for event in job_events(scheduler.journal, None, req):
+    async for event in job_events(jobs.journal, None, req):
         if event.job_id is not None:
             if event.job_id not in owners:
-                job = await scheduler.lookup(event.job_id)
+                job = await jobs.lookup(event.job_id)
                 owners[event.job_id] = None if job is None else job.owner_uid
             owner = owners[event.job_id]
             if not (detail(owner) if owner is not None else uid == 0):

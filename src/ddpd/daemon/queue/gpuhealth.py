@@ -5,7 +5,7 @@ GPU for 30 s) quarantines each of the daemon's devices on that GPU: recorded in 
 (`store.quarantine`, so it outlives a restart), kept off placement (`Resources.quarantined`), and
 journalled as ``gpu.quarantined``. Every running job given such a device has its attempt failed
 with a root cause naming the GPU and the fault ("GPU 3 (GPU-5f2e...): Xid 79, fell off the bus");
-the scheduler then restarts it elsewhere, within its restart policy (`must_move`). Any other Xid
+its runner then restarts it elsewhere, within its restart policy (`must_move`). Any other Xid
 is journalled (``gpu.xid``) and nothing more. Only `release` (an admin's `ddpctl gpu release`)
 lifts a quarantine: it is not the automatic draining of a GPU whose rank is dying.
 
@@ -19,13 +19,11 @@ so. A GPU shared by fractions is busy for every job on it.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 import structlog
 
 from ...protocol import JobState
-from ..attempt.attempt import Attempt
 from ..config import Config
 from ..gpu.gpus import GpuInfo
 from ..gpu.health import GpuFault, watch_health
@@ -35,7 +33,9 @@ from ..store.errors import NotFoundError, StorageError
 from ..store.journal import Journal
 from ..store.quarantine import Quarantined
 from ..store.records import Job
+from . import commands
 from .resources import Resources
+from .runners import Runners
 
 log = structlog.get_logger("ddpd")
 
@@ -58,20 +58,18 @@ def find_device(devices: list[GpuInfo], name: str) -> GpuInfo | None:
 class GpuHealth:
     """The daemon's quarantine: loaded at start, fed by the GPU watch, released by an admin."""
 
-    def __init__(self, journal: Journal, resources: Resources, attempts: Mapping[str, Attempt],
-                 running: Callable[[], list[Job]], wake: Callable[[], None], config: Callable[[], Config],
-                 cancel: Callable[[Job, str], Awaitable[None]]) -> None:
+    def __init__(self, journal: Journal, resources: Resources, runners: Runners, config: Config) -> None:
         self.journal = journal
-        self.config = config  # the current config (a reload changes the idle settings)
-        self.cancel = cancel
+        self.config = config  # the current config (a reload changes the idle settings: `reconfigure`)
         self.utilization = UtilisationLog()
         self._first_seen: dict[tuple[str, int], float] = {}  # (job, attempt) -> its first sample running
         self._warned: set[tuple[str, int]] = set()
         self.resources = resources
-        self.attempts = attempts
-        self.running = running
-        self.wake = wake  # the scheduler's: a released GPU may let queued jobs start
+        self.runners = runners  # the running jobs, told of a fault on their GPUs (commands.GpuFault)
         self.held: dict[str, Quarantined] = {}
+
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
 
     async def load(self) -> None:
         """The quarantines recorded before this start, for the devices this daemon schedules."""
@@ -102,7 +100,7 @@ class GpuHealth:
         if not devices:
             return
         while True:
-            cfg = self.config()
+            cfg = self.config
             try:
                 self.utilization.add(time.time(), await sample_async(devices))
                 await self.check_idle(time.time(), cfg)
@@ -111,7 +109,7 @@ class GpuHealth:
             await anyio.sleep(cfg.gpu_sample_interval)
 
     async def check_idle(self, now: float, cfg: Config) -> None:
-        running = [j for j in self.running() if j.gpus and j.state is JobState.RUNNING]
+        running = [j for j in self.runners.running_jobs() if j.gpus and j.state is JobState.RUNNING]
         live = {(j.id, j.attempt) for j in running}
         self._first_seen = {k: v for k, v in self._first_seen.items() if k in live}
         self._warned &= live
@@ -133,7 +131,8 @@ class GpuHealth:
         await self.journal.event(job, "job.gpu_idle", gpus=names, seconds=round(idle, 1), after=cfg.gpu_idle_after,
                                  cancel=cfg.gpu_idle_cancel)
         if cfg.gpu_idle_cancel:
-            await self.cancel(job, f"gpu_idle: its GPUs were at 0% for {idle:.0f} s")
+            why = f"gpu_idle: its GPUs were at 0% for {idle:.0f} s"
+            await self.runners.send(job.id, commands.Cancel(why, force=False)).wait()
 
     async def note(self, notes: list[str]) -> None:
         await self.journal.event(None, "gpu.unwatched", notes=notes)
@@ -149,7 +148,7 @@ class GpuHealth:
 
     async def quarantine(self, device: GpuInfo, what: str) -> None:
         """Hold `device` off placement (recorded) and fail the attempts of the jobs on it."""
-        jobs = [j for j in self.running() if device.entry in j.gpus]
+        jobs = [j for j in self.runners.running_jobs() if device.entry in j.gpus]
         if device.entry not in self.held:
             holder = jobs[0].id if jobs else None
             try:
@@ -162,9 +161,7 @@ class GpuHealth:
             await self.journal.event(None, "gpu.quarantined", gpu=device.label, uuid=device.uuid, reason=what,
                                      jobs=[j.id for j in jobs])
         for job in jobs:
-            attempt = self.attempts.get(job.id)
-            if attempt is not None:
-                attempt.gpu_fault(f"{gpu_name(device)}: {what}")
+            self.runners.send(job.id, commands.GpuFault(f"{gpu_name(device)}: {what}"))
 
     def fault_on(self, gpus: list[str]) -> str | None:
         """The root cause of a job given `gpus` one of which is quarantined ("GPU 3 (...): Xid 79, ..."), or None."""
@@ -180,7 +177,8 @@ class GpuHealth:
         return any(e in self.resources.quarantined for e in gpus)
 
     async def release(self, name: str, uid: int) -> Quarantined:
-        """Lift the quarantine of the device `name` names (NotFoundError: none, or not quarantined)."""
+        """Lift the quarantine of the device `name` names (NotFoundError: none, or not quarantined); the
+        caller wakes the queue (a released GPU may let queued jobs start)."""
         device = find_device(self.resources.devices, name)
         if device is None:
             raise NotFoundError(f"no GPU {name!r} on this daemon (its NVML index or UUID)")
@@ -192,5 +190,4 @@ class GpuHealth:
         self.resources.quarantined.pop(device.entry, None)
         await self.journal.event(None, "gpu.released", gpu=device.label, uuid=device.uuid, reason=record.reason,
                                  by_uid=uid)
-        self.wake()
         return record

@@ -271,8 +271,8 @@ def can_draw() -> bool:
 class Notifier:
     """`post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
 
-    def __init__(self, config: Callable[[], Config], journal: Journal, subtree: Subtree | None) -> None:
-        self.config = config
+    def __init__(self, config: Config, journal: Journal, subtree: Subtree | None) -> None:
+        self.config = config  # the current one (`reconfigure`)
         self.journal = journal
         self.subtree = subtree
         self._send, self._receive = anyio.create_memory_object_stream[tuple[Job, Notice, list[Hook]]](QUEUED_AT_MOST)
@@ -280,8 +280,11 @@ class Notifier:
         self._threads = anyio.CapacityLimiter(AT_ONCE)
         self._draws = can_draw()
 
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+
     def post(self, job: Job, event: Event) -> None:
-        hooks = hooks_of(job, self.config())
+        hooks = hooks_of(job, self.config)
         if not hooks:
             return
         try:
@@ -314,7 +317,7 @@ class Notifier:
             identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
         except UnknownUser:
             return None
-        cfg = self.config()
+        cfg = self.config
         path = user_job_dir(cfg.state_dir, job.owner_uid, job.id) / PICTURE
         python = job.spec.python or sys.executable  # what the job ran with (checked at its submit)
         exported = {k: v for k, v in submitted_environment(identity, job.spec.environ).items() if not reserved_env(k)}
@@ -338,7 +341,7 @@ class Notifier:
         except UnknownUser as exc:
             await self._report(job, notice, hook, str(exc), tries=0)
             return
-        timeout = self.config().notify_timeout
+        timeout = self.config.notify_timeout
         told = {**identity.identity_env(), "PATH": SANE_PATH, **variables(notice)}
         if hook.kind == "url":
             told["DDPD_NOTIFY_JSON"] = json.dumps(asdict(notice))
@@ -365,7 +368,7 @@ class Notifier:
     async def _once(self, identity: Identity, argv: list[str], env: dict[str, str], answer: bool = False) -> HookRun:
         """One run of a hook (or of the drawing) as the submitter, in a cgroup of its own (where there
         is a subtree), bounded."""
-        timeout = self.config().notify_timeout
+        timeout = self.config.notify_timeout
         cgroup = None
         if self.subtree is not None:
             try:
