@@ -89,7 +89,21 @@ class Stacks(_W, tag="stacks"):
     omitted: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0  # threads left out (over STACK_THREADS)
 
 
-WorkerMessage = Hello | PhaseChanged | Heartbeat | Progress | Checkpointed | Result | Failure | Stacks
+class Forked(_W, tag="forked"):
+    """A fork server's answer to `Fork`: the new process's pid (already the daemon's child, leading a
+    session of its own; its Hello comes on the channel the request carried)."""
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=2**22)]
+
+
+class ForkRefused(_W, tag="fork_refused"):
+    """A fork server's answer to `Fork` when it did not fork, and why (e.g. it is not single-threaded)."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=TEXT_LIMIT)]
+
+
+WorkerMessage = (Hello | PhaseChanged | Heartbeat | Progress | Checkpointed | Result | Failure | Stacks | Forked
+                 | ForkRefused)
 
 
 # daemon -> worker
@@ -158,4 +172,10 @@ class Reform(_W, tag="reform"):
     generation: Annotated[int, msgspec.Meta(ge=1, le=10**6)]
 
 
-DaemonMessage = Assign | Stop | DumpStacks | AskStacks | Release | Reform
+class Fork(_W, tag="fork"):
+    """To a fork server: fork one pooled worker. The end of its channel comes with this frame
+    (SCM_RIGHTS); the server answers `Forked` or `ForkRefused`, the new worker says Hello on its own
+    channel and waits for its Assign there."""
+
+
+DaemonMessage = Assign | Stop | DumpStacks | AskStacks | Release | Reform | Fork

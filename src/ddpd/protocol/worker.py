@@ -1,9 +1,10 @@
 """The contract between the daemon and a worker process, besides the channel's frames.
 
-- The command line: ``<worker> --fd N --parent PID [--pool | --agent]`` (`worker_args` writes it,
-  `parse_worker_args` reads it): N is the inherited socketpair end, PID the daemon's pid (a worker
-  whose parent is not PID exits at once with EXIT_ORPHANED), ``--pool`` a warm-pool interpreter,
-  ``--agent`` a multi-node job's rendezvous agent (``protocol.agent``).
+- The command line: ``<worker> --fd N --parent PID [--pool [--fork-server] | --agent]`` (`worker_args`
+  writes it, `parse_worker_args` reads it): N is the inherited socketpair end, PID the daemon's pid
+  (a worker whose parent is not PID exits at once with EXIT_ORPHANED), ``--pool`` a warm-pool
+  interpreter, ``--fork-server`` one that forks pooled workers on request (``channel.Fork``) and
+  never becomes a rank itself, ``--agent`` a multi-node job's rendezvous agent (``protocol.agent``).
 - Exit codes a worker uses for itself: EXIT_ORPHANED (started by a parent that is already gone) and
   EXIT_DAEMON_GONE (its channel closed: it killed its process group and left).
 - The attempt marker: every rank of an attempt, and every process it starts, carries
@@ -53,11 +54,14 @@ class WorkerArgs:
     parent: int
     pool: bool = False
     agent: bool = False
+    fork_server: bool = False
 
 
-def worker_args(fd: int, parent: int, pool: bool = False, agent: bool = False) -> list[str]:
+def worker_args(fd: int, parent: int, pool: bool = False, agent: bool = False,
+                fork_server: bool = False) -> list[str]:
     """The arguments after the worker's interpreter and module (see the module docstring)."""
-    return ["--fd", str(fd), "--parent", str(parent), *(["--pool"] if pool else []), *(["--agent"] if agent else [])]
+    return ["--fd", str(fd), "--parent", str(parent), *(["--pool"] if pool or fork_server else []),
+            *(["--fork-server"] if fork_server else []), *(["--agent"] if agent else [])]
 
 
 def parse_worker_args(argv: Sequence[str] | None) -> WorkerArgs:
@@ -65,6 +69,8 @@ def parse_worker_args(argv: Sequence[str] | None) -> WorkerArgs:
     parser.add_argument("--fd", type=int, required=True, help="inherited AF_UNIX socket to the daemon")
     parser.add_argument("--parent", type=int, required=True, help="the daemon's pid")
     parser.add_argument("--pool", action="store_true", help="warm-pool interpreter: pre-import DDP")
+    parser.add_argument("--fork-server", action="store_true", help="fork pooled workers on the daemon's request")
     parser.add_argument("--agent", action="store_true", help="a multi-node job's rendezvous agent")
     ns = parser.parse_args(argv)
-    return WorkerArgs(fd=ns.fd, parent=ns.parent, pool=ns.pool, agent=ns.agent)
+    return WorkerArgs(fd=ns.fd, parent=ns.parent, pool=ns.pool or ns.fork_server, agent=ns.agent,
+                      fork_server=ns.fork_server)

@@ -277,6 +277,20 @@ def exit_status(runtime: Runtime, exc: SystemExit, script: bool) -> NoReturn:
     fail(runtime, exc, code)
 
 
+def fork_server(fd: int, parent: int, daemon_pgid: int) -> int:
+    """A fork server (`forkserver`): import what a rank needs, then fork workers on request; in each
+    forked worker, the descriptor of its own channel."""
+    import torch
+
+    pool_imports()
+    from .forkserver import serve_forks
+
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    return serve_forks(sock, parent, daemon_pgid, Hello(version=PROTOCOL_VERSION, pid=os.getpid(),
+                                                        python=platform.python_version(), torch=str(torch.__version__)))
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = parse_worker_args(argv)
     set_pdeathsig()
@@ -288,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         from .agent import serve
 
         serve(socket.socket(fileno=args.fd), daemon_pgid)
+    fd = args.fd
+    if args.fork_server:  # forks pooled workers; returns in each of them only, with its channel
+        fd = fork_server(args.fd, args.parent, daemon_pgid)
     watch_dump_signal()
 
     import torch
@@ -295,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     if args.pool:
         pool_imports()
 
-    sock = socket.socket(fileno=args.fd)
+    sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     runtime = Runtime(Channel(sock, daemon_pgid))
     runtime.private_fds.append(sock.fileno())

@@ -57,7 +57,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -73,6 +72,9 @@ from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
+from .forkserver import ForkServer, fork_from
+from .poolcgroups import end_cgroup as end_cgroup  # (where the attempt and the agents import it from)
+from .poolcgroups import sweep_cgroups
 from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
 from .yielding import can_idle, freeze_cgroup, idle_cgroup, pool_state, set_priority
 
@@ -80,7 +82,6 @@ log = structlog.get_logger("ddpd")
 
 BACKOFF_MAX = 60.0
 SHUTDOWN_WAIT = 5.0
-CGROUP_WAIT = 5.0  # seconds for a pool worker's cgroup to empty after cgroup.kill
 MAX_KEYS = 256  # keys remembered at once (each is a few hundred bytes; the plan serves the recent ones)
 
 
@@ -96,6 +97,7 @@ class PoolWorker:
     taken: bool = False
     retired: bool = False  # ended by the plan (not a death to report)
     held: bool = False  # its cgroup frozen: a refill waiting for a core no job's rank holds
+    server: ForkServer | None = None  # a fork server's (`pool_fork_server`): it forks the key's workers
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
     @property
@@ -108,7 +110,8 @@ class WarmPool:
                  subtree: Subtree | None = None) -> None:
         self.config = config
         self.size = max(0, config.pool_size)
-        self.per_key = max(0, config.pool_per_key)
+        self.fork = config.pool_fork_server  # one fork server per key instead of whole interpreters
+        self.per_key = min(1, config.pool_per_key) if self.fork else max(0, config.pool_per_key)
         self.idle_expiry = config.pool_idle_expiry
         self.subtree = subtree  # pool workers get cgroups of their own under subtree.jobs
         self.log_path = config.state_dir / POOL_LOG
@@ -143,7 +146,7 @@ class WarmPool:
         """The pool in words, for ``ddpctl daemon``: warm, refilling, or cold and why."""
         ready = sum(len(q) for q in self._ready.values())
         return pool_state(self.size, ready, len(self._starting), self.busy_ranks() > 0, self.idle_priority,
-                          held=sum(w.held for w in self._starting))
+                          held=sum(w.held for w in self._starting), servers=self.fork)
 
     # -- for attempts ----------------------------------------------------------------------
 
@@ -167,9 +170,12 @@ class WarmPool:
             del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
         self._wake.set()
 
-    def take(self, key: PoolKey) -> PoolWorker | None:
-        """A ready worker of `key`, now the caller's (it leads its own process group and cgroup);
-        None: start cold."""
+    async def take(self, key: PoolKey) -> PoolWorker | None:
+        """A ready worker of `key`, now the caller's (it leads its own process group and cgroup; a
+        forked one, the process group only: the server's cgroup until the caller moves it); None:
+        start cold."""
+        if self.fork:
+            return await self._fork(key)
         ready = self._ready.get(key)
         while ready:
             w = ready.popleft()
@@ -190,12 +196,24 @@ class WarmPool:
             return w
         return None
 
+    async def _fork(self, key: PoolKey) -> PoolWorker | None:
+        """A worker forked by the key's server, if it has a ready one (which stays the pool's)."""
+        server = next((w for w in self._ready.get(key, ()) if w.proc.poll() is None), None)
+        if server is None or server.server is None:
+            return None
+        got = await fork_from(server.server, server.pid, server.channel)
+        if got is None:
+            return None
+        child, channel, hello = got
+        set_priority(child.pid, idle=False)  # a server started beside a job may be at idle priority
+        return PoolWorker(child, channel, key, server.env, hello=hello, taken=True)
+
     # -- the service -----------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Keep each key's share ready or starting until cancelled; then kill and reap them all."""
         if self.subtree is not None:  # pool cgroups a killed daemon left behind (whatever the size now)
-            await anyio.to_thread.run_sync(_sweep_cgroups, self.subtree.jobs)
+            await anyio.to_thread.run_sync(sweep_cgroups, self.subtree.jobs)
         if self.size == 0:
             task_status.started()
             return
@@ -298,7 +316,7 @@ class WarmPool:
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [*shape.argv, *worker_args(child_end.fileno(), os.getpid(), pool=True)]
+        argv = [*shape.argv, *worker_args(child_end.fileno(), os.getpid(), pool=True, fork_server=self.fork)]
         try:
             proc = procs.spawn(argv, env=shape.env, cwd=shape.cwd, log_fd=log_fd, pass_fds=[child_end.fileno()],
                                process_group=None, identity=shape.identity,
@@ -313,7 +331,8 @@ class WarmPool:
             child_end.close()
             os.close(log_fd)
         log.info("pool.worker_spawned", pid=proc.pid, uid=shape.key.uid)
-        return PoolWorker(proc, WorkerChannel(parent_end), shape.key, dict(shape.env), cgroup)
+        return PoolWorker(proc, WorkerChannel(parent_end), shape.key, dict(shape.env), cgroup,
+                          server=ForkServer() if self.fork else None)
 
     def _open_log(self, shape: Shape) -> int:
         """pool.log: the daemon's for its own user's workers, else the user's own, in their tree."""
@@ -344,6 +363,10 @@ class WarmPool:
                     return
                 self._failures.pop(w.key, None)
                 w.hello = hello
+                if w.server is not None:  # a server forks ranks: never at idle priority once ready
+                    set_priority(w.pid, idle=False)
+                    if w.cgroup is not None:
+                        idle_cgroup(w.cgroup, False)
                 if self._closing or w.key not in self._demand:  # forgotten while it started
                     self._kill(w)
                     await procs.wait_exit(w.proc)
@@ -395,19 +418,3 @@ class WarmPool:
         alive = [w.pid for w in left if w.proc.poll() is None]
         log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
 
-
-def end_cgroup(cgroup: AttemptCgroup) -> None:
-    """Kill whatever a pool worker left in its cgroup (a forked escapee included) and remove it."""
-    try:
-        if cgroup.kill(CGROUP_WAIT):
-            cgroup.remove()
-        else:
-            log.warning("pool.cgroup_busy", cgroup=str(cgroup.path), pids=cgroup.pids())
-    except OSError as exc:
-        log.warning("pool.cgroup_failed", cgroup=str(cgroup.path), error=str(exc))
-
-
-def _sweep_cgroups(jobs: Path) -> None:
-    for path in jobs.glob("pool-*"):
-        if path.is_dir():
-            end_cgroup(AttemptCgroup(path))

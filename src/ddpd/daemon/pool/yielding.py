@@ -17,12 +17,16 @@ from ..contain.cgroups import AttemptCgroup
 log = structlog.get_logger("ddpd")
 
 
-def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool, held: int = 0) -> str:
-    """`WarmPool.state`: ``off``; ``warm (N ready)``; ``cold (busy)`` while running jobs hold the
-    cores (refills wait for them, or run at idle priority on cores the jobs leave, and are held
-    beyond those); ``cold (refilling)``."""
+def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool, held: int = 0,
+               servers: bool = False) -> str:
+    """`WarmPool.state`: ``off``; ``warm (N ready)`` (``N fork servers ready`` with `servers`);
+    ``cold (busy)`` while running jobs hold the cores (refills wait for them, or run at idle
+    priority on cores the jobs leave, and are held beyond those); ``cold (refilling)``."""
     if size == 0:
         return "off"
+    if servers and ready:
+        return f"warm ({ready} fork server{'s' if ready > 1 else ''} ready" + (
+            f", {starting} starting)" if starting else ")")
     refilling = ""
     if starting:
         refilling = f", {starting} refilling" + (" at idle priority" if idle_priority and busy else "")

@@ -1,0 +1,137 @@
+"""The daemon's side of a fork server (``pool_fork_server``; the server: ``worker.forkserver``).
+
+With the fork server on, the pool keeps one interpreter per key, started with ``--fork-server``
+as a pooled interpreter is (the key's user, its own cgroup, torch imported), and every pooled
+rank is forked from it on request (`fork_from`) instead of being a whole interpreter of its own:
+milliseconds a rank, any number of ranks, and the memory of one interpreter per key.
+
+A request is one `Fork` frame on the server's channel carrying the new worker's channel end
+(SCM_RIGHTS); one request at a time per server (`ForkServer.lock`), each answered by `Forked`
+(the worker's pid) or `ForkRefused` within FORK_WAIT. The server forks through an intermediate
+child that exits at once, so the worker is the daemon's child (the daemon is a child subreaper)
+by the time `Forked` arrives: `adopt` registers it with the reaper of inherited children as the
+daemon's own child (`reaper.spawned`, checked under the reaper's lock to be a child of this
+process), and wraps it in a `Popen` the attempt waits on, reads the exit status of and signals as
+any rank it started itself (`AdoptedChild`). Then the worker's Hello is read on its own channel
+within FORK_WAIT. Anything else (a refusal, a dead server, a worker that dies or says something
+else first) kills what was forked and returns None: the rank starts cold, as with no pool.
+
+The forked worker is in the server's cgroup until the attempt takes it (`Launcher._adopt` moves
+its pid into the attempt's cgroup before it is assigned; no code of the job has run by then).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import anyio
+import structlog
+
+from ...protocol import FrameError
+from ...protocol.channel import Fork, Forked, ForkRefused, Hello, WorkerMessage
+from ..contain import procs
+from ..contain.reaper import spawned
+from .channel import WorkerChannel
+
+log = structlog.get_logger("ddpd")
+
+FORK_WAIT = 10.0  # seconds for a server's answer, and again for the forked worker's Hello
+
+
+class AdoptedChild(subprocess.Popen[bytes]):
+    """A child this process did not start: a forked worker reparented to the daemon (a subreaper).
+
+    Popen's waiting, polling and signalling work on any child's pid; nothing is started here, so
+    `Popen.__init__` is not called and the attributes those methods read are set instead. OSError
+    when `pid` is not a live child of this process (reparented elsewhere, or gone)."""
+
+    def __init__(self, pid: int) -> None:  # Popen's own would start a process
+        info = procs.proc_info(pid)
+        if info is None or info.ppid != os.getpid() or info.state == "Z":
+            raise OSError(f"pid {pid} is not a live child of the daemon")
+        self.args = [f"forked worker {pid}"]
+        self.pid = pid
+        self.returncode = None
+        self.stdin = self.stdout = self.stderr = None
+        self.text_mode = False
+        self.encoding = self.errors = None
+        self.pipesize = -1
+        self._child_created = True
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
+        self._sigint_wait_secs = 0.25
+        self._closed_child_pipe_fds = True
+
+
+class ForkServer:
+    """Per-server state the daemon keeps: one request at a time, and what it served."""
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        self.forks = 0  # workers forked and adopted
+        self.refused = 0
+
+
+async def fork_from(server: ForkServer, pid: int, channel: WorkerChannel) -> tuple[AdoptedChild, WorkerChannel,
+                                                                                   Hello] | None:
+    """Ask the server (`pid`, `channel`) for one worker: the adopted child, its channel and its Hello,
+    or None (the server refused or failed: the caller starts the rank cold)."""
+    started = time.monotonic()
+    async with server.lock:
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sent = await channel.send(Fork(), fds=[child_end.fileno()])
+        finally:
+            child_end.close()
+        answer = await _next_frame(channel) if sent else None
+        if not isinstance(answer, Forked):
+            parent_end.close()
+            server.refused += 1
+            why = answer.reason if isinstance(answer, ForkRefused) else f"answer {type(answer).__name__}"
+            log.warning("pool.fork_refused", server=pid, reason=why)
+            return None
+        try:
+            child = spawned(lambda: AdoptedChild(answer.pid))
+        except OSError as exc:
+            parent_end.close()
+            log.warning("pool.fork_failed", server=pid, pid=answer.pid, error=str(exc))
+            return None
+    worker = WorkerChannel(parent_end)
+    hello = await _next_frame(worker)
+    if not isinstance(hello, Hello) or hello.pid != child.pid:
+        worker.close()
+        await _end(child)
+        log.warning("pool.fork_failed", server=pid, pid=child.pid, first_frame=type(hello).__name__)
+        return None
+    server.forks += 1
+    log.info("pool.forked", server=pid, pid=child.pid, ms=round(1000 * (time.monotonic() - started), 1),
+             forks=server.forks)
+    return child, worker, hello
+
+
+async def _next_frame(channel: WorkerChannel) -> WorkerMessage | None:
+    """The channel's next frame within FORK_WAIT; None at its end, a bad frame or the deadline."""
+    with anyio.move_on_after(FORK_WAIT):
+        try:
+            async for frame in channel.frames():
+                return frame
+        except FrameError:
+            return None
+    return None
+
+
+async def _end(child: AdoptedChild) -> None:
+    """Kill a forked worker that will not serve (it leads its own group) and reap it."""
+    procs.kill_group(child.pid, signal.SIGKILL)
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    with anyio.CancelScope(shield=True):
+        await procs.wait_exit(child)

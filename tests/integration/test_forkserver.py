@@ -1,0 +1,123 @@
+"""The fork server (``pool_fork_server = true``) against a real daemon and real torch.
+
+A job's pooled ranks are forked by its key's server (``pool.forked`` names the server and the
+rank's pid; the rank's parent is the daemon, it leads a session of its own), and each is the cold
+rank it stands in for: the same job run on a daemon without a pool reports the same identity,
+environment, ``sys.argv``, ``sys.path[0]``, ``__main__``, thread pools, descriptors and cgroup,
+while its first random draws (Python's, numpy's, torch's) differ from every other rank's, as fresh
+interpreters' do. Every wait is on a log line or a job's end, bounded with ``fail_after``; the
+daemon's stop proves no rank, and no server, is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpd.protocol import JobState
+
+from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
+
+pytestmark = pytest.mark.anyio
+
+PROBE = str(REPO / "tests" / "integration" / "fork_probe.py")
+SERVER_TIMEOUT = 240  # the server imports torch: seconds on a loaded 2-core machine
+NPROC = 2
+
+
+def probes(view: Any) -> list[dict[str, Any]]:
+    """What each rank of a finished job reported, by rank."""
+    found = []
+    for r in sorted(view.ranks, key=lambda r: r.rank):
+        lines = [line for line in Path(r.log).read_text().splitlines() if line.startswith("ddpd-fork-probe ")]
+        assert len(lines) == 1, Path(r.log).read_text()
+        found.append(json.loads(lines[0].split(" ", 1)[1]))
+    return found
+
+
+def as_any_rank(report: dict[str, Any], job_id: str, rank: int) -> dict[str, Any]:
+    """What a rank reported, less what differs from one process or job to the next: its pid, parent,
+    group, session, random draws, the job's ids and port in its environment, and the daemon's
+    instance in its cgroup's path."""
+    same = {k: v for k, v in report.items() if k not in ("pid", "ppid", "pgid", "sid", "random", "numpy", "torch",
+                                                          "torch_seed")}
+    same["environ"] = {k: v for k, v in report["environ"].items() if job_id not in v and k != "MASTER_PORT"}
+    same["cgroup"] = re.sub(r"/ddpd-[0-9a-f]+/", "/DAEMON/", report["cgroup"].replace(job_id, "JOB"))
+    same["rank"] = rank
+    return same
+
+
+async def run_probe(d: DaemonProc) -> tuple[str, list[dict[str, Any]], Any]:
+    view = await d.run(d.spec(script=[PROBE], nproc=NPROC, name="probe"))
+    assert view.state == JobState.SUCCEEDED, view.root_cause
+    return view.id, probes(view), view
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def server_config(base: Path) -> Path:
+    config = base / "ddpd.toml"
+    config.write_text("pool_fork_server = true\n")
+    return config
+
+
+@pytest.fixture
+async def cold_reports(short_tmp: Path) -> list[dict[str, Any]]:
+    """The probe's job on a daemon without a pool: every rank a fresh interpreter."""
+    base = short_tmp / "cold"
+    base.mkdir()
+    async with running_daemon(base, "--pool-size", "0", "--cpu-slots", "4") as d:
+        job_id, seen, _ = await run_probe(d)
+    return [as_any_rank(s, job_id, i) for i, s in enumerate(seen)]
+
+
+@pytest.fixture
+async def server_daemon(short_tmp: Path) -> AsyncIterator[tuple[DaemonProc, int]]:
+    """A daemon whose pool is one fork server per key, and the pid of its own key's server (learned at
+    start, when it said Hello); afterwards the server is gone too."""
+    base = short_tmp / "fork"
+    base.mkdir()
+    async with running_daemon(base, "--config", str(server_config(base)), "--pool-size", "2",
+                              "--cpu-slots", "4") as d:
+        ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready", SERVER_TIMEOUT)
+        yield d, int(ready["pid"])
+    assert_gone(int(ready["pid"]))
+
+
+async def test_ranks_are_forked_by_the_keys_server_and_are_the_cold_ranks(
+    cold_reports: list[dict[str, Any]], server_daemon: tuple[DaemonProc, int]
+) -> None:
+    d, server = server_daemon
+    daemon_pid = d.proc.pid
+    assert len(os.listdir(f"/proc/{server}/task")) == 1  # the server is single-threaded while it waits
+    assert "--fork-server" in cmdline(server)
+    draws: list[tuple[float, float | None, float, int]] = []
+    for _ in range(2):
+        job_id, seen, view = await run_probe(d)
+        forked = {int(e["pid"]): e for e in d.logs if e.get("event") == "pool.forked"}
+        for i, (report, rank) in enumerate(zip(seen, sorted(view.ranks, key=lambda r: r.rank), strict=True)):
+            assert report["pid"] == rank.pid and rank.pid in forked, "a rank was not forked by the server"
+            assert int(forked[rank.pid]["server"]) == server
+            assert report["ppid"] == daemon_pid  # reparented to the daemon, which reaped it
+            assert report["pgid"] == report["sid"] == rank.pid  # a session and group of its own
+            warm, cold = as_any_rank(report, job_id, i), cold_reports[i]
+            assert warm == cold, {k: (warm.get(k), cold.get(k)) for k in {*warm, *cold} if warm.get(k) != cold.get(k)}
+            draws.append((report["random"], report["numpy"], report["torch"], report["torch_seed"]))
+        spawned = [e for e in [e async for e in d.client.events(job_id)] if e.kind == "rank.spawned"]
+        assert [e.data.get("pooled") for e in spawned] == [True] * NPROC
+    # every rank of both jobs drew differently, from each of its generators, as fresh interpreters do
+    for column in zip(*draws, strict=True):
+        assert len(set(column)) == len(column), column
+    os.kill(server, 0)  # it served both jobs and still waits
+    assert len(os.listdir(f"/proc/{server}/task")) == 1
+    pids = [r.pid for r in view.ranks]
+    for pid in pids:
+        assert_gone(pid)
