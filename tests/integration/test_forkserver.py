@@ -18,11 +18,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from ddpd.protocol import JobState
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
+from .test_hot_replace import STEP_SLEEP, checksums, events_of, kill_rank, same_run
 
 pytestmark = pytest.mark.anyio
 
@@ -121,3 +123,27 @@ async def test_ranks_are_forked_by_the_keys_server_and_are_the_cold_ranks(
     pids = [r.pid for r in view.ranks]
     for pid in pids:
         assert_gone(pid)
+
+
+async def test_a_killed_rank_is_replaced_by_a_forked_one_back_to_back(server_daemon: tuple[DaemonProc, int]) -> None:
+    """Hot replacement right after a job (no spare interpreter to wait for: the server forks it),
+    with the uninterrupted run's checksum and the survivor kept."""
+    d, server = server_daemon
+    spec = d.spec(task="tests.tasks:slow", nproc=2, steps=400, seed=7, options={"step_sleep": STEP_SLEEP})
+    reference = await d.run(spec)
+    assert reference.state == JobState.SUCCEEDED, reference.root_cause
+    job_id = await d.client.submit(spec)  # at once: back to back
+    victim, survivors = await kill_rank(d, job_id, 1, after_step=100)
+    with anyio.fail_after(120):
+        job = await d.client.wait(job_id)
+    assert job.state == JobState.SUCCEEDED, job.root_cause
+    assert job.attempt == 1, "the job restarted instead of replacing the rank"
+    assert same_run(job, reference), (checksums(job), checksums(reference))
+    assert {r.rank: r.pid for r in job.ranks if r.rank != 1} == survivors, "a survivor was replaced"
+    events = await events_of(d, job_id)
+    [replaced] = [e for e in events if e.kind == "rank.replaced"]
+    assert replaced.data["lost_pid"] == victim and replaced.data["pooled"] is True
+    forked = {int(e["pid"]): int(e["server"]) for e in d.logs if e.get("event") == "pool.forked"}
+    assert forked.get(job.ranks[1].pid) == server and forked.get(victim) == server
+    print("rank.replaced", replaced.data)
+    assert_gone(victim)
