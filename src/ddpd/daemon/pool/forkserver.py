@@ -13,8 +13,10 @@ by the time `Forked` arrives: `adopt` registers it with the reaper of inherited 
 daemon's own child (`reaper.spawned`, checked under the reaper's lock to be a child of this
 process), and wraps it in a `Popen` the attempt waits on, reads the exit status of and signals as
 any rank it started itself (`AdoptedChild`). Then the worker's Hello is read on its own channel
-within FORK_WAIT. Anything else (a refusal, a dead server, a worker that dies or says something
-else first) kills what was forked and returns None: the rank starts cold, as with no pool.
+within FORK_WAIT. Anything else returns None, and the rank starts cold as with no pool: a server
+that refuses, fails or does not answer in time is killed (its answer must never be read by the
+next request; the pool starts another), a worker that dies or says something else first is
+killed and reaped. The exchange is shielded from cancellation and bounded, for the same reasons.
 
 The forked worker is in the server's cgroup until the attempt takes it (`Launcher._adopt` moves
 its pid into the attempt's cgroup before it is assigned; no code of the job has run by then).
@@ -37,6 +39,8 @@ from ...protocol.channel import Fork, Forked, ForkRefused, Hello, WorkerMessage
 from ..contain import procs
 from ..contain.reaper import spawned
 from .channel import WorkerChannel
+from .members import PoolWorker
+from .yielding import set_priority
 
 log = structlog.get_logger("ddpd")
 
@@ -69,50 +73,56 @@ class AdoptedChild(subprocess.Popen[bytes]):
         self._closed_child_pipe_fds = True
 
 
-class ForkServer:
-    """Per-server state the daemon keeps: one request at a time, and what it served."""
-
-    def __init__(self) -> None:
-        self.lock = anyio.Lock()
-        self.forks = 0  # workers forked and adopted
-        self.refused = 0
-
-
-async def fork_from(server: ForkServer, pid: int, channel: WorkerChannel) -> tuple[AdoptedChild, WorkerChannel,
-                                                                                   Hello] | None:
-    """Ask the server (`pid`, `channel`) for one worker: the adopted child, its channel and its Hello,
-    or None (the server refused or failed: the caller starts the rank cold)."""
+async def fork_from(server: PoolWorker) -> PoolWorker | None:
+    """One worker forked by `server` (a ready fork server of its key), now the caller's, with its
+    Hello read; None when the server refused or failed (the caller starts the rank cold; a server
+    that failed is killed, and the pool starts another). Shielded and bounded (twice FORK_WAIT): a
+    request cut short would leave its answer unread for the next one, and a forked worker nobody
+    waits for."""
+    assert server.server is not None
     started = time.monotonic()
-    async with server.lock:
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sent = await channel.send(Fork(), fds=[child_end.fileno()])
-        finally:
-            child_end.close()
-        answer = await _next_frame(channel) if sent else None
-        if not isinstance(answer, Forked):
-            parent_end.close()
-            server.refused += 1
-            why = answer.reason if isinstance(answer, ForkRefused) else f"answer {type(answer).__name__}"
-            log.warning("pool.fork_refused", server=pid, reason=why)
+    with anyio.CancelScope(shield=True):
+        async with server.server.lock:
+            got = await _request(server)
+        if got is None:
+            _kill(server.pid)  # its watcher reaps it; the pool starts another
             return None
-        try:
-            child = spawned(lambda: AdoptedChild(answer.pid))
-        except OSError as exc:
-            parent_end.close()
-            log.warning("pool.fork_failed", server=pid, pid=answer.pid, error=str(exc))
+        child, channel = got
+        hello = await _next_frame(channel)
+        if not isinstance(hello, Hello) or hello.pid != child.pid:
+            channel.close()
+            _kill(child.pid)
+            await procs.wait_exit(child)
+            log.warning("pool.fork_failed", server=server.pid, pid=child.pid, first_frame=type(hello).__name__)
             return None
-    worker = WorkerChannel(parent_end)
-    hello = await _next_frame(worker)
-    if not isinstance(hello, Hello) or hello.pid != child.pid:
-        worker.close()
-        await _end(child)
-        log.warning("pool.fork_failed", server=pid, pid=child.pid, first_frame=type(hello).__name__)
+        server.server.forks += 1
+        log.info("pool.forked", server=server.pid, pid=child.pid, ms=round(1000 * (time.monotonic() - started), 1),
+                 forks=server.server.forks, uid=server.key.uid)
+        set_priority(child.pid, idle=False)  # a server started beside a job may be at idle priority
+        return PoolWorker(child, channel, server.key, server.env, hello=hello, taken=True)
+    return None  # (not reached: a shielded scope is never cancelled)
+
+
+async def _request(server: PoolWorker) -> tuple[AdoptedChild, WorkerChannel] | None:
+    """Send one `Fork` and adopt what the server forked (the worker's channel comes with it)."""
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sent = await server.channel.send(Fork(), fds=[child_end.fileno()])
+    finally:
+        child_end.close()
+    answer = await _next_frame(server.channel) if sent else None
+    if not isinstance(answer, Forked):
+        parent_end.close()
+        why = answer.reason if isinstance(answer, ForkRefused) else f"answer {type(answer).__name__}"
+        log.warning("pool.fork_refused", server=server.pid, reason=why)
         return None
-    server.forks += 1
-    log.info("pool.forked", server=pid, pid=child.pid, ms=round(1000 * (time.monotonic() - started), 1),
-             forks=server.forks)
-    return child, worker, hello
+    try:
+        child = spawned(lambda: AdoptedChild(answer.pid))
+    except OSError as exc:
+        parent_end.close()
+        log.warning("pool.fork_failed", server=server.pid, pid=answer.pid, error=str(exc))
+        return None
+    return child, WorkerChannel(parent_end)
 
 
 async def _next_frame(channel: WorkerChannel) -> WorkerMessage | None:
@@ -126,12 +136,10 @@ async def _next_frame(channel: WorkerChannel) -> WorkerMessage | None:
     return None
 
 
-async def _end(child: AdoptedChild) -> None:
-    """Kill a forked worker that will not serve (it leads its own group) and reap it."""
-    procs.kill_group(child.pid, signal.SIGKILL)
+def _kill(pid: int) -> None:
+    """SIGKILL a server or a forked worker and its process group (each leads its own)."""
+    procs.kill_group(pid, signal.SIGKILL)
     try:
-        os.kill(child.pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    with anyio.CancelScope(shield=True):
-        await procs.wait_exit(child)

@@ -42,6 +42,10 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   refill at SCHED_IDLE still cost back-to-back jobs several percent of their steps/s). `take` gives
   every thread normal priority back before the attempt assigns it. `state` says which (``ddpctl
   daemon``).
+- **Fork servers** (``pool_fork_server``, `forkserver`): each key holds one interpreter started
+  with ``--fork-server`` instead of interpreters that become ranks; `take` asks it to fork a worker
+  (milliseconds), which is the caller's as a taken interpreter is, the server staying the pool's.
+  ``pool_size`` then counts servers, and the plan's bounds (per user, idle expiry) apply to them.
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
 """
@@ -52,11 +56,9 @@ import itertools
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import anyio
 import anyio.to_thread
@@ -72,9 +74,10 @@ from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
-from .forkserver import ForkServer, fork_from
-from .poolcgroups import end_cgroup as end_cgroup  # (where the attempt and the agents import it from)
-from .poolcgroups import sweep_cgroups
+from .forkserver import fork_from
+from .members import ForkServer, sweep_cgroups
+from .members import PoolWorker as PoolWorker  # (where the attempt imports them from)
+from .members import end_cgroup as end_cgroup
 from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
 from .yielding import can_idle, freeze_cgroup, idle_cgroup, pool_state, set_priority
 
@@ -83,26 +86,6 @@ log = structlog.get_logger("ddpd")
 BACKOFF_MAX = 60.0
 SHUTDOWN_WAIT = 5.0
 MAX_KEYS = 256  # keys remembered at once (each is a few hundred bytes; the plan serves the recent ones)
-
-
-@dataclass(eq=False)
-class PoolWorker:
-    proc: subprocess.Popen[bytes]
-    channel: WorkerChannel
-    key: PoolKey
-    env: dict[str, str]  # what it was started with (an assignment brings the difference)
-    cgroup: AttemptCgroup | None = None  # its own, until an attempt takes it over
-    spawned_at: float = field(default_factory=time.monotonic)
-    hello: Hello | None = None
-    taken: bool = False
-    retired: bool = False  # ended by the plan (not a death to report)
-    held: bool = False  # its cgroup frozen: a refill waiting for a core no job's rank holds
-    server: ForkServer | None = None  # a fork server's (`pool_fork_server`): it forks the key's workers
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
 
 class WarmPool:
@@ -199,14 +182,7 @@ class WarmPool:
     async def _fork(self, key: PoolKey) -> PoolWorker | None:
         """A worker forked by the key's server, if it has a ready one (which stays the pool's)."""
         server = next((w for w in self._ready.get(key, ()) if w.proc.poll() is None), None)
-        if server is None or server.server is None:
-            return None
-        got = await fork_from(server.server, server.pid, server.channel)
-        if got is None:
-            return None
-        child, channel, hello = got
-        set_priority(child.pid, idle=False)  # a server started beside a job may be at idle priority
-        return PoolWorker(child, channel, key, server.env, hello=hello, taken=True)
+        return None if server is None else await fork_from(server)
 
     # -- the service -----------------------------------------------------------------------
 
