@@ -2,8 +2,11 @@
 
 `Supervisor.run` reads the attempt's stream (`events`) until the teardown ended; it alone changes
 the attempt's decisions (its conclusion, the replacement under way, the stop warning) and starts
-tasks into the attempt's task group: a replacement's re-form (`replace.reform`), the ending of
-ranks stuck at exit, the node watch, the deadline timer and the teardown. The first conclusion
+tasks into the attempt's task group: each exit's record and a replacement's re-form after it
+(`replace.reform`), the ending of ranks stuck at exit, the stop warning's frames and the missed
+heartbeats' events (what may wait on a rank, or is written once per rank, runs beside the loop,
+which must stay free to decide; it awaits only the job's few own writes: running, replaced, replace
+failed), the node watch, the deadline timer and the teardown. The first conclusion
 wins (the rest is collateral); once there is one, the teardown starts, and the loop goes on
 deciding (each exit is still recorded) until the teardown says `TornDown`.
 
@@ -245,13 +248,12 @@ class Supervisor:
         if verdict.outcome is not None:
             self.conclude(verdict.outcome)
             return
-        for h in handles:
-            if h.rank.rank in verdict.missed:
+        if verdict.missed:
+            missed = [h for h in handles if h.rank.rank in verdict.missed]
+            for h in missed:
                 h.missed_reported = h.rank.last_frame
-                await self.journal.event(self.job, "rank.heartbeat_missed", rank=h.rank.rank,
-                                         silent=round(now - (h.rank.last_frame or now), 3),
-                                         interval=self.heartbeat_interval, timeout=self.limits.heartbeat,
-                                         state=h.rank.state.value)
+            tg.start_soon(self._report_missed, [(h.rank.rank, round(now - (h.rank.last_frame or now), 3),
+                                                 h.rank.state.value) for h in missed])
         if verdict.stuck:
             stuck = [h for h in handles if h.rank.rank in verdict.stuck]
             for h in stuck:
@@ -260,10 +262,17 @@ class Supervisor:
             self._due = True
             return
         if verdict.warn:
-            await self._warn_stop(now, watch.wall_at or now)
+            self.warned = True  # decided now; the frames go out in a task (a rank that reads nothing waits)
+            tg.start_soon(self._warn_stop, now, watch.wall_at or now)
             self._due = True
             return
         self._timer.set(max(now + TIMER_GRAIN, verdict.next_at if verdict.next_at is not None else now + 1.0))
+
+    async def _report_missed(self, missed: list[tuple[int, float, str]]) -> None:
+        """Ranks silent past MISSED_HEARTBEATS intervals, once per silence: (rank, seconds, state) as checked."""
+        for rank, silent, state in missed:
+            await self.journal.event(self.job, "rank.heartbeat_missed", rank=rank, silent=silent,
+                                     interval=self.heartbeat_interval, timeout=self.limits.heartbeat, state=state)
 
     async def _end_stuck(self, stuck: list[RankHandle], now: float) -> None:
         """Ranks that sent their result and then fell silent in their exit work (a native call holding
@@ -285,7 +294,6 @@ class Supervisor:
         """Before the wall-time limit (as Slurm's --signal): every rank is asked to stop at a step
         boundary and checkpoint. Ranks that then exit 0 end the job TIMED_OUT (wall_time) at once;
         ranks that do not stop are torn down when the wall time runs out."""
-        self.warned = True
         for h in self.gang.live():
             await h.channel.send(Stop(reason="wall_time_warning"))
         await self.journal.event(self.job, "job.stop_warning", reason="wall_time_warning",
