@@ -57,6 +57,7 @@ from .loop import bench_loop
 from .multinode import bench_multinode
 from .optimizer_hook import bench_optimizer_hook
 from .paired import bench_paired
+from .pool_forkserver import bench_forkserver
 from .report import dump_json, print_report
 from .results import Results
 from .scale import bench_scale
@@ -74,6 +75,7 @@ BENCHES: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "hostile": bench_hostile,
     "multinode": bench_multinode,
     "hot_replace": bench_hot_replace,
+    "forkserver": bench_forkserver,
 }
 
 
@@ -152,6 +154,8 @@ async def run(ctx: Ctx, names: list[str]) -> None:
         await run_bench(ctx, "multinode")
     if "hot_replace" in names:
         await run_bench(ctx, "hot_replace")
+    if "forkserver" in names:
+        await run_bench(ctx, "forkserver")
 
 
 async def run_bench(ctx: Ctx, name: str) -> None:

@@ -119,6 +119,8 @@ async def test_ranks_are_forked_by_the_keys_server_and_are_the_cold_ranks(
     for column in zip(*draws, strict=True):
         assert len(set(column)) == len(column), column
     os.kill(server, 0)  # it served both jobs and still waits
+    info = await d.client.daemon_info()
+    assert info.pool_state == f"warm (1 fork server ready, {2 * NPROC} forks served)", info.pool_state
     assert len(os.listdir(f"/proc/{server}/task")) == 1
     pids = [r.pid for r in view.ranks]
     for pid in pids:

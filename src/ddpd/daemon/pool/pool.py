@@ -129,7 +129,8 @@ class WarmPool:
         """The pool in words, for ``ddpctl daemon``: warm, refilling, or cold and why."""
         ready = sum(len(q) for q in self._ready.values())
         return pool_state(self.size, ready, len(self._starting), self.busy_ranks() > 0, self.idle_priority,
-                          held=sum(w.held for w in self._starting), servers=self.fork)
+                          held=sum(w.held for w in self._starting), servers=self.fork,
+                          forks=sum(w.server.forks for q in self._ready.values() for w in q if w.server))
 
     # -- for attempts ----------------------------------------------------------------------
 

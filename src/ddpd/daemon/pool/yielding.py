@@ -18,15 +18,16 @@ log = structlog.get_logger("ddpd")
 
 
 def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool, held: int = 0,
-               servers: bool = False) -> str:
-    """`WarmPool.state`: ``off``; ``warm (N ready)`` (``N fork servers ready`` with `servers`);
+               servers: bool = False, forks: int = 0) -> str:
+    """`WarmPool.state`: ``off``; ``warm (N ready)`` (``N fork servers ready, F forks served`` with
+    `servers`);
     ``cold (busy)`` while running jobs hold the cores (refills wait for them, or run at idle
     priority on cores the jobs leave, and are held beyond those); ``cold (refilling)``."""
     if size == 0:
         return "off"
     if servers and ready:
-        return f"warm ({ready} fork server{'s' if ready > 1 else ''} ready" + (
-            f", {starting} starting)" if starting else ")")
+        return (f"warm ({ready} fork server{'s' if ready > 1 else ''} ready, {forks} forks served"
+                + (f", {starting} starting)" if starting else ")"))
     refilling = ""
     if starting:
         refilling = f", {starting} refilling" + (" at idle priority" if idle_priority and busy else "")
