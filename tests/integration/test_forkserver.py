@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,10 @@ from typing import Any
 import anyio
 import pytest
 
+from ddpd.daemon.pool.channel import WorkerChannel
 from ddpd.protocol import JobState
+from ddpd.protocol.channel import Fork, ForkRefused, Hello
+from ddpd.protocol.worker import worker_args
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
 from .test_hot_replace import STEP_SLEEP, checksums, events_of, kill_rank, same_run
@@ -149,3 +155,49 @@ async def test_a_killed_rank_is_replaced_by_a_forked_one_back_to_back(server_dae
     assert forked.get(job.ranks[1].pid) == server and forked.get(victim) == server
     print("rank.replaced", replaced.data)
     assert_gone(victim)
+
+
+THREAD_AT_START = """
+import threading
+threading.Thread(target=threading.Event().wait, name="started-by-sitecustomize", daemon=True).start()
+"""
+
+
+def start_server(fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A fork server whose parent is this process (the daemon's part, played by the test)."""
+    return subprocess.Popen([sys.executable, "-m", "ddpd.worker", *worker_args(fd, os.getpid(), fork_server=True)],
+                            pass_fds=[fd], start_new_session=True, env=env, stdin=subprocess.DEVNULL)
+
+
+async def test_a_server_that_is_not_alone_refuses_to_fork(tmp_path: Path) -> None:
+    """A thread in the server (here one an interpreter's sitecustomize starts) could hold a lock a
+    forked child would inherit locked: the server answers ``fork_refused`` with its thread count,
+    forks nothing, and still exits when its channel closes."""
+    (tmp_path / "sitecustomize.py").write_text(THREAD_AT_START)
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    proc = start_server(theirs.fileno(), env)
+    theirs.close()
+    try:
+        channel = WorkerChannel(ours)
+        with anyio.fail_after(SERVER_TIMEOUT):
+            frames = channel.frames()
+            hello = await anext(frames)
+            assert isinstance(hello, Hello) and hello.pid == proc.pid
+            child_end, kept = socket.socketpair()
+            assert await channel.send(Fork(), fds=[kept.fileno()])
+            kept.close()
+            answer = await anext(frames)
+            await frames.aclose()
+        assert isinstance(answer, ForkRefused), answer
+        assert answer.reason == "the fork server has 2 threads; it forks only alone"
+        assert child_end.recv(1) == b""  # the server closed the refused channel's end: nothing forked
+        child_end.close()
+        channel.close()
+        with anyio.fail_after(30):
+            assert await anyio.to_thread.run_sync(proc.wait) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_gone(proc.pid)
