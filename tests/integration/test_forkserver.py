@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from ddpd.protocol import JobState
 from ddpd.protocol.channel import Fork, ForkRefused, Hello
 from ddpd.protocol.worker import worker_args
 
-from ..conftest import REPO, DaemonProc, assert_gone, running_daemon
+from ..conftest import REPO, DaemonProc, assert_gone, running_daemon, start_daemon, stop_daemon
+from ..faults.helpers import await_gone, become_subreaper
 from .test_hot_replace import STEP_SLEEP, checksums, events_of, kill_rank, same_run
 
 pytestmark = pytest.mark.anyio
@@ -201,3 +203,30 @@ async def test_a_server_that_is_not_alone_refuses_to_fork(tmp_path: Path) -> Non
             proc.kill()
             proc.wait()
     assert_gone(proc.pid)
+
+
+async def test_forked_ranks_and_their_server_die_with_the_daemon(short_tmp: Path) -> None:
+    """A forked rank's death signal is set against the daemon once it is the daemon's child: the
+    daemon killed with SIGKILL takes every forked rank and the server with it (the next daemon on
+    the same state ends the job as a restart's and removes what the killed one left)."""
+    become_subreaper()  # the killed daemon's orphans come here to be reaped (pid 1 here never reaps)
+    state = short_tmp / "state"
+    async with anyio.create_task_group() as tg:
+        d = await start_daemon(tg, short_tmp, "--config", str(server_config(short_tmp)), "--pool-size", "2",
+                               "--cpu-slots", "4", state_dir=state)
+        ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready", SERVER_TIMEOUT)
+        server = int(ready["pid"])
+        job_id = await d.client.submit(d.spec(task="tests.tasks:slow", nproc=NPROC, steps=10**6,
+                                              options={"step_sleep": STEP_SLEEP}))
+        await d.wait_event(job_id, lambda e: e.kind == "rank.progress")
+        ranks = [r.pid for r in (await d.client.status(job_id)).ranks if r.pid is not None]
+        forked = {int(e["pid"]) for e in d.logs if e.get("event") == "pool.forked"}
+        assert len(ranks) == NPROC and set(ranks) <= forked
+        await stop_daemon(d, signal.SIGKILL)
+        tg.cancel_scope.cancel()
+    for pid in [*ranks, server]:
+        await await_gone(pid, 10)
+    async with running_daemon(short_tmp, "--pool-size", "0", state_dir=state) as d:
+        with anyio.fail_after(60):
+            view = await d.client.wait(job_id)
+        assert view.reason == "daemon_restart"
