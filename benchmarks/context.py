@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,9 +78,28 @@ class Ctx:
                 try:
                     value = await run()
                 except Exception as exc:
-                    why = f"rep {rep}: {type(exc).__name__}: {exc}".strip()
+                    why = f"rep {rep}: {type(exc).__name__}: {short_why(str(exc))}"
                     for metric in metrics:
                         metric.fail(name, why)
-                    self.console.print(f"  {name} {why}", style="red", markup=False)  # text of a log
+                    self.console.print(f"  {name} rep {rep}: {exc}", style="red", markup=False)  # a log's text
                     continue
                 self.say(f"  rep {rep}/{reps} {name:12} {record(name, value)}  ({settled.text()})")
+
+
+# what names a failure's cause, most telling first: an exception with its message, then words
+CAUSES = (re.compile(r"\b\w+(Error|Exception): "), re.compile(r"timed out|exited with|Killed", re.IGNORECASE))
+
+
+def short_why(text: str, limit: int = 300) -> str:
+    """A failure in one line for the table: its first line and the last line of the log that names a
+    cause (a torchrun's log ends in its agent's ChildFailedError banner; the cause is above it)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    out = lines[0]
+    for pattern in CAUSES:
+        causes = [line for line in lines[1:] if pattern.search(line) and "ChildFailedError" not in line]
+        if causes:
+            out = f"{lines[0]} ... {causes[-1]}"
+            break
+    return out if len(out) <= limit else out[: limit - 3] + "..."

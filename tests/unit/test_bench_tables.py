@@ -4,6 +4,7 @@ reason; a failed run counts against its side in the suite's table."""
 
 from __future__ import annotations
 
+from benchmarks.context import short_why
 from benchmarks.paired_table import describe, median_interval, summarise
 from benchmarks.results import Metric
 from benchmarks.settle import busy_ticks
@@ -51,3 +52,16 @@ def test_a_failed_run_counts_against_its_side() -> None:
 def test_busy_ticks_read_the_whole_machine() -> None:
     busy, total = busy_ticks()
     assert 0 < busy < total
+
+
+def test_a_failure_reads_as_one_line_naming_its_cause() -> None:
+    """A torchrun's log ends in its agent's ChildFailedError banner and a SIGTERM line; the cause
+    (gloo's mesh timing out) is above them."""
+    log = ("torchrun exited with 1:\nW1205 Setting OMP_NUM_THREADS ...\n"
+           "RuntimeError: Gloo connectFullMesh failed with [pair.cc:152] timed out connecting\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+           "  traceback : Signal 15 (SIGTERM) received by PID 13701\n")
+    assert short_why(log) == ("torchrun exited with 1: ... RuntimeError: Gloo connectFullMesh failed with "
+                              "[pair.cc:152] timed out connecting")
+    assert short_why("job j1 ended FAILED") == "job j1 ended FAILED"
+    assert len(short_why("x" * 1000)) == 300
