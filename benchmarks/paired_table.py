@@ -87,5 +87,8 @@ def describe(result: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = head + ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
                     for row in rows]
+    policy = result["vs"].get(REFERENCES[0], {}).get(REFERENCES[1])
+    if policy is not None:  # the same launcher, the policy alone
+        lines.append(f"  the policy alone here (torchrun at SCHED_BATCH over torchrun): {_ratio_cell(policy)}")
     lines += [f"  FAILED {name}: {why}" for name, why in result["failed"].items()]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ def test_paired_table_compares_with_both_torchruns_and_names_policies() -> None:
     row = next(line for line in text.splitlines() if line.lstrip().startswith("ddpd  "))
     assert "SCHED_BATCH" in row and "1.833x" in row and "1.015x" in row
     assert "FAILED ddpd (cold): in round 2: rank 0 said nothing" in text
+    assert "the policy alone here (torchrun at SCHED_BATCH over torchrun): 1.829x [1.806-1.849] n=3" in text
 
 
 def test_every_core_busy_is_said() -> None:
