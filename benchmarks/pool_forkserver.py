@@ -108,7 +108,7 @@ async def bench_forkserver(ctx: Ctx) -> None:
             for d in daemons.values():  # the key's first job (its pool warm from then on)
                 await finished(d, await d.client.submit(JobSpec(name="bench-warmup", task="two-layer", nproc=2,
                                                                 steps=20, workdir=str(REPO))))
-            reps = 3 if ctx.plan.short else 10
+            reps = ctx.plan.launch_reps if ctx.plan.short else max(10, ctx.plan.launch_reps)  # the 10
             runners: list[tuple[str, Callable[[], Awaitable[float]]]] = [
                 (name, partial(running_after, d)) for name, d in daemons.items()]
 

@@ -230,3 +230,11 @@ async def test_forked_ranks_and_their_server_die_with_the_daemon(short_tmp: Path
         with anyio.fail_after(60):
             view = await d.client.wait(job_id)
         assert view.reason == "daemon_restart"
+
+
+def test_a_worker_already_reparented_does_not_wait_for_its_parent() -> None:
+    """Bug: a forked worker whose intermediate parent had already exited (it was the daemon's child
+    by the time it looked) waited on the daemon's pidfd, for good, instead of going on."""
+    code = "import os; from ddpd.worker.forkserver import _await_reparent; _await_reparent(os.getppid())"
+    done = subprocess.run([sys.executable, "-c", code], timeout=60, check=False, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0

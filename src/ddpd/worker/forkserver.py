@@ -38,6 +38,7 @@ from ddpd.protocol.worker import EXIT_ORPHANED
 from .runtime import Channel
 
 EXIT_FORK_FAILED = 72  # the intermediate child: the worker's fork failed
+REPARENT_WAIT_MS = 10_000  # the intermediate exits at once; this only bounds a parent that is not it
 
 
 def thread_count() -> int:
@@ -124,7 +125,7 @@ def become_worker(parent: int) -> None:
     """In the forked worker: a session of its own, the daemon as its parent (its death signal
     against it), fresh random state (see the module docstring)."""
     os.setsid()
-    _await_reparent()
+    _await_reparent(parent)
     from .bootstrap import set_pdeathsig
 
     set_pdeathsig()
@@ -133,9 +134,11 @@ def become_worker(parent: int) -> None:
     reseed()
 
 
-def _await_reparent() -> None:
+def _await_reparent(parent: int) -> None:
     """Wait until the intermediate child has exited (the worker is then reparented to the daemon)."""
     middle = os.getppid()
+    if middle == parent:  # reparented already (waiting on the daemon's pidfd would never end)
+        return
     try:
         fd = os.pidfd_open(middle)
     except ProcessLookupError:
@@ -145,8 +148,7 @@ def _await_reparent() -> None:
             return
         poller = select.poll()
         poller.register(fd, select.POLLIN)
-        while not poller.poll():
-            pass
+        poller.poll(REPARENT_WAIT_MS)  # bounded: past it, the parent check that follows decides
     finally:
         os.close(fd)
 
