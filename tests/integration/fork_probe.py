@@ -14,7 +14,17 @@ import torch.distributed as dist
 import __main__
 
 tasks = len(os.listdir("/proc/self/task"))
-fds = len(os.listdir("/proc/self/fd"))
+
+
+def fd_kind(fd: str) -> str:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "gone"
+    return target.split(":")[0] if ":" in target else ("dev" if target.startswith("/dev/") else "file")
+
+
+fds = sorted(fd_kind(fd) for fd in os.listdir("/proc/self/fd"))
 try:
     import numpy
 

@@ -53,13 +53,15 @@ def probes(view: Any) -> list[dict[str, Any]]:
 
 def as_any_rank(report: dict[str, Any], job_id: str, rank: int) -> dict[str, Any]:
     """What a rank reported, less what differs from one process or job to the next: its pid, parent,
-    group, session, random draws, the job's ids and port in its environment, and the daemon's
-    instance in its cgroup's path."""
+    group, session, random draws, the job's ids and port in its environment, the daemon's instance
+    in its cgroup's path, and rank 0's descriptors."""
     same = {k: v for k, v in report.items() if k not in ("pid", "ppid", "pgid", "sid", "random", "numpy", "torch",
                                                           "torch_seed")}
     same["environ"] = {k: v for k, v in report["environ"].items() if job_id not in v and k != "MASTER_PORT"}
     same["cgroup"] = re.sub(r"/ddpd-[0-9a-f]+/", "/DAEMON/", report["cgroup"].replace(job_id, "JOB"))
     same["rank"] = rank
+    if rank == 0:  # it serves the attempt's store: its sockets come and go as the other ranks connect
+        del same["fds"]
     return same
 
 
@@ -67,6 +69,15 @@ async def run_probe(d: DaemonProc) -> tuple[str, list[dict[str, Any]], Any]:
     view = await d.run(d.spec(script=[PROBE], nproc=NPROC, name="probe"))
     assert view.state == JobState.SUCCEEDED, view.root_cause
     return view.id, probes(view), view
+
+
+def forked_pids(d: DaemonProc) -> set[int]:
+    return {int(e["pid"]) for e in d.logs if e.get("event") == "pool.forked"}
+
+
+def spare_pids(d: DaemonProc) -> set[int]:
+    """Workers forked ahead of a job (spares), whether a job took them since or not."""
+    return {int(e["pid"]) for e in d.logs if e.get("event") == "pool.forked" and e.get("spare")}
 
 
 def cmdline(pid: int) -> list[str]:
@@ -99,7 +110,8 @@ async def server_daemon(short_tmp: Path) -> AsyncIterator[tuple[DaemonProc, int]
                               "--cpu-slots", "4") as d:
         ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready", SERVER_TIMEOUT)
         yield d, int(ready["pid"])
-    assert_gone(int(ready["pid"]))
+    for pid in [int(ready["pid"]), *forked_pids(d)]:  # the server, and every worker it forked (spares too)
+        assert_gone(pid)
 
 
 async def test_ranks_are_forked_by_the_keys_server_and_are_the_cold_ranks(
@@ -110,8 +122,15 @@ async def test_ranks_are_forked_by_the_keys_server_and_are_the_cold_ranks(
     assert len(os.listdir(f"/proc/{server}/task")) == 1  # the server is single-threaded while it waits
     assert "--fork-server" in cmdline(server)
     draws: list[tuple[float, float | None, float, int]] = []
-    for _ in range(2):
+    used: set[int] = set()
+    for n in range(2):
+        if n == 1:  # the first job's size is learned: that many spares are forked ahead, for the next one
+            await d.wait_log(lambda _, taken=frozenset(used): len(spare_pids(d) - taken) >= NPROC, SERVER_TIMEOUT)
         job_id, seen, view = await run_probe(d)
+        pids = {r.pid for r in view.ranks if r.pid is not None}
+        if n == 1:
+            assert pids <= spare_pids(d), "the second job's ranks were not forked ahead of it"
+        used |= pids
         forked = {int(e["pid"]): e for e in d.logs if e.get("event") == "pool.forked"}
         for i, (report, rank) in enumerate(zip(seen, sorted(view.ranks, key=lambda r: r.rank), strict=True)):
             assert report["pid"] == rank.pid and rank.pid in forked, "a rank was not forked by the server"
@@ -128,7 +147,8 @@ async def test_ranks_are_forked_by_the_keys_server_and_are_the_cold_ranks(
         assert len(set(column)) == len(column), column
     os.kill(server, 0)  # it served both jobs and still waits
     info = await d.client.daemon_info()
-    assert info.pool_state == f"warm (1 fork server ready, {2 * NPROC} forks served)", info.pool_state
+    said = re.fullmatch(r"warm \(1 fork server ready, (\d+) forked, (\d+) forks served\)", info.pool_state or "")
+    assert said is not None and int(said.group(2)) >= 2 * NPROC, info.pool_state
     assert len(os.listdir(f"/proc/{server}/task")) == 1
     pids = [r.pid for r in view.ranks]
     for pid in pids:
@@ -220,11 +240,10 @@ async def test_forked_ranks_and_their_server_die_with_the_daemon(short_tmp: Path
                                               options={"step_sleep": STEP_SLEEP}))
         await d.wait_event(job_id, lambda e: e.kind == "rank.progress")
         ranks = [r.pid for r in (await d.client.status(job_id)).ranks if r.pid is not None]
-        forked = {int(e["pid"]) for e in d.logs if e.get("event") == "pool.forked"}
-        assert len(ranks) == NPROC and set(ranks) <= forked
+        assert len(ranks) == NPROC and set(ranks) <= forked_pids(d)
         await stop_daemon(d, signal.SIGKILL)
         tg.cancel_scope.cancel()
-    for pid in [*ranks, server]:
+    for pid in {*forked_pids(d), server}:  # the ranks, the spares forked for the next job, the server
         await await_gone(pid, 10)
     async with running_daemon(short_tmp, "--pool-size", "0", state_dir=state) as d:
         with anyio.fail_after(60):

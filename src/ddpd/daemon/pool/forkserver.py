@@ -30,9 +30,12 @@ import socket
 import subprocess
 import threading
 import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 
 import anyio
 import structlog
+from anyio.abc import TaskGroup
 
 from ...protocol import FrameError
 from ...protocol.channel import Fork, Forked, ForkRefused, Hello, WorkerMessage
@@ -40,11 +43,13 @@ from ..contain import procs
 from ..contain.reaper import spawned
 from .channel import WorkerChannel
 from .members import PoolWorker
+from .poolkeys import PoolKey
 from .yielding import set_priority
 
 log = structlog.get_logger("ddpd")
 
 FORK_WAIT = 10.0  # seconds for a server's answer, and again for the forked worker's Hello
+SPARES_MAX = 64  # forked workers kept ready per key at most
 
 
 class AdoptedChild(subprocess.Popen[bytes]):
@@ -73,7 +78,7 @@ class AdoptedChild(subprocess.Popen[bytes]):
         self._closed_child_pipe_fds = True
 
 
-async def fork_from(server: PoolWorker) -> PoolWorker | None:
+async def fork_from(server: PoolWorker, spare: bool = False) -> PoolWorker | None:
     """One worker forked by `server` (a ready fork server of its key), now the caller's, with its
     Hello read; None when the server refused or failed (the caller starts the rank cold; a server
     that failed is killed, and the pool starts another). Shielded and bounded (twice FORK_WAIT): a
@@ -97,7 +102,7 @@ async def fork_from(server: PoolWorker) -> PoolWorker | None:
             return None
         server.server.forks += 1
         log.info("pool.forked", server=server.pid, pid=child.pid, ms=round(1000 * (time.monotonic() - started), 1),
-                 forks=server.server.forks, uid=server.key.uid)
+                 forks=server.server.forks, uid=server.key.uid, spare=spare)
         set_priority(child.pid, idle=False)  # a server started beside a job may be at idle priority
         return PoolWorker(child, channel, server.key, server.env, hello=hello, taken=True)
     return None  # (not reached: a shielded scope is never cancelled)
@@ -143,3 +148,82 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+class Spares:
+    """Forked workers kept ready per key (``pool_fork_server``): a job's ranks take them at once, and
+    the key's server forks the next ones in the background, in milliseconds each (no refill imports
+    torch). Each key keeps as many as its last job had ranks (at most SPARES_MAX): they share their
+    server's memory, copy on write. A spare lives in its server's cgroup until taken (killed with it,
+    the server's end kills the cgroup), is watched through its pidfd (reaped and dropped if it dies),
+    and is killed when its key is forgotten or the pool stops."""
+
+    def __init__(self) -> None:
+        self._ready: dict[PoolKey, deque[PoolWorker]] = {}
+        self._filling: set[PoolKey] = set()
+
+    def count(self, key: PoolKey | None = None) -> int:
+        if key is not None:
+            return len(self._ready.get(key, ()))
+        return sum(len(q) for q in self._ready.values())
+
+    def take(self, key: PoolKey) -> PoolWorker | None:
+        """A spare of `key`, now the caller's; None when none is ready."""
+        ready = self._ready.get(key)
+        while ready:
+            w = ready.popleft()
+            w.taken = True
+            w.scope.cancel()  # its watcher lets go of it
+            if w.proc.poll() is None:
+                return w
+        return None
+
+    async def sync(self, tg: TaskGroup, servers: Mapping[PoolKey, Iterable[PoolWorker]],
+                   ranks: Mapping[PoolKey, int]) -> None:
+        """Each key's spares back to its last job's `ranks` (forked by its ready server); those of
+        keys no longer wanted end."""
+        await self.drop(keep=lambda key: key in ranks)
+        for key, ready in servers.items():
+            server = next(iter(ready), None)
+            if server is not None and key in ranks:
+                self.fill(tg, server, ranks[key])
+
+    def fill(self, tg: TaskGroup, server: PoolWorker, want: int) -> None:
+        """Fork spares of the server's key up to `want` (one filler per key at a time)."""
+        if server.key not in self._filling and self.count(server.key) < min(want, SPARES_MAX):
+            self._filling.add(server.key)
+            tg.start_soon(self._fill, tg, server, min(want, SPARES_MAX))
+
+    async def _fill(self, tg: TaskGroup, server: PoolWorker, want: int) -> None:
+        try:
+            while self.count(server.key) < want and server.proc.returncode is None:
+                w = await fork_from(server, spare=True)
+                if w is None:
+                    return
+                w.taken = False
+                self._ready.setdefault(server.key, deque()).append(w)
+                tg.start_soon(self._watch, w)
+        finally:
+            self._filling.discard(server.key)
+
+    async def _watch(self, w: PoolWorker) -> None:
+        with w.scope:
+            await procs.wait_exit(w.proc)
+            log.info("pool.spare_ended", pid=w.pid, uid=w.key.uid)
+        if w.taken:  # the attempt's from now on
+            return
+        ready = self._ready.get(w.key)
+        if ready is not None and w in ready:
+            ready.remove(w)
+        if w.proc.returncode is not None:
+            w.channel.close()
+
+    async def drop(self, keep: Callable[[PoolKey], bool] = lambda key: False) -> None:
+        """Kill and reap the spares of every key not to `keep` (all by default)."""
+        for key in [k for k in self._ready if not keep(k)]:
+            for w in self._ready.pop(key):
+                w.scope.cancel()
+                w.channel.close()
+                _kill(w.pid)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(FORK_WAIT):
+                    await procs.wait_exit(w.proc)

@@ -42,10 +42,9 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   refill at SCHED_IDLE still cost back-to-back jobs several percent of their steps/s). `take` gives
   every thread normal priority back before the attempt assigns it. `state` says which (``ddpctl
   daemon``).
-- **Fork servers** (``pool_fork_server``, `forkserver`): each key holds one interpreter started
-  with ``--fork-server`` instead of interpreters that become ranks; `take` asks it to fork a worker
-  (milliseconds), which is the caller's as a taken interpreter is, the server staying the pool's.
-  ``pool_size`` then counts servers, and the plan's bounds (per user, idle expiry) apply to them.
+- **Fork servers** (``pool_fork_server``, `forkserver`): one interpreter per key (``pool_size``
+  counts them, the plan's bounds apply) forks workers; `take` hands out a spare it forked ahead
+  (`Spares`: as many as the key's last job had ranks) or has it fork one (milliseconds).
 - **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
   its channel closed (which alone would make an idle worker exit too).
 """
@@ -74,7 +73,7 @@ from ..contain.cgroups import AttemptCgroup, Subtree
 from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
-from .forkserver import fork_from
+from .forkserver import Spares, fork_from
 from .members import ForkServer, sweep_cgroups
 from .members import PoolWorker as PoolWorker  # (where the attempt imports them from)
 from .members import end_cgroup as end_cgroup
@@ -95,6 +94,7 @@ class WarmPool:
         self.size = max(0, config.pool_size)
         self.fork = config.pool_fork_server  # one fork server per key instead of whole interpreters
         self.per_key = min(1, config.pool_per_key) if self.fork else max(0, config.pool_per_key)
+        self.spares = Spares()  # forked workers ready, per key (fork servers only)
         self.idle_expiry = config.pool_idle_expiry
         self.subtree = subtree  # pool workers get cgroups of their own under subtree.jobs
         self.log_path = config.state_dir / POOL_LOG
@@ -121,16 +121,15 @@ class WarmPool:
         self._wake.set()
 
     def _idle_core(self) -> bool:
-        """Whether a refill may start now: importing torch (seconds of CPU) must not slow a running
-        job, so only onto a core no running job's rank holds."""
+        """Whether a refill may start now: only onto a core no running job's rank holds."""
         return self.busy_ranks() + len(self._starting) < self._cores
 
     def state(self) -> str:
         """The pool in words, for ``ddpctl daemon``: warm, refilling, or cold and why."""
-        ready = sum(len(q) for q in self._ready.values())
-        return pool_state(self.size, ready, len(self._starting), self.busy_ranks() > 0, self.idle_priority,
-                          held=sum(w.held for w in self._starting), servers=self.fork,
-                          forks=sum(w.server.forks for q in self._ready.values() for w in q if w.server))
+        return pool_state(self.size, len(self.ready_pids), len(self._starting), self.busy_ranks() > 0,
+                          self.idle_priority, held=sum(w.held for w in self._starting), servers=self.fork,
+                          forks=sum(w.server.forks for q in self._ready.values() for w in q if w.server),
+                          spares=self.spares.count())
 
     # -- for attempts ----------------------------------------------------------------------
 
@@ -159,7 +158,8 @@ class WarmPool:
         forked one, the process group only: the server's cgroup until the caller moves it); None:
         start cold."""
         if self.fork:
-            return await self._fork(key)
+            self._wake.set()  # the key's spares are forked again in the background
+            return self.spares.take(key) or await self._fork(key)
         ready = self._ready.get(key)
         while ready:
             w = ready.popleft()
@@ -201,6 +201,8 @@ class WarmPool:
                          log=str(self.log_path))
                 while True:
                     await self._fill(tg)
+                    if self.fork and not self._closing:
+                        await self.spares.sync(tg, self._ready, {k: d.ranks for k, d in self._demand.items()})
                     self._yield_to_jobs()
                     with anyio.move_on_after(self._sleep()):
                         await self._wake.wait()
@@ -381,6 +383,7 @@ class WarmPool:
 
     async def _close(self) -> None:
         self._closing = True
+        await self.spares.drop()
         left = list(self._workers)
         self._ready.clear()
         for w in left:

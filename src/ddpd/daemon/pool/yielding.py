@@ -18,15 +18,15 @@ log = structlog.get_logger("ddpd")
 
 
 def pool_state(size: int, ready: int, starting: int, busy: bool, idle_priority: bool, held: int = 0,
-               servers: bool = False, forks: int = 0) -> str:
-    """`WarmPool.state`: ``off``; ``warm (N ready)`` (``N fork servers ready, F forks served`` with
-    `servers`);
+               servers: bool = False, forks: int = 0, spares: int = 0) -> str:
+    """`WarmPool.state`: ``off``; ``warm (N ready)`` (``N fork servers ready, S forked, F forks served``
+    with `servers`: S forked workers ready);
     ``cold (busy)`` while running jobs hold the cores (refills wait for them, or run at idle
     priority on cores the jobs leave, and are held beyond those); ``cold (refilling)``."""
     if size == 0:
         return "off"
     if servers and ready:
-        return (f"warm ({ready} fork server{'s' if ready > 1 else ''} ready, {forks} forks served"
+        return (f"warm ({ready} fork server{'s' if ready > 1 else ''} ready, {spares} forked, {forks} forks served"
                 + (f", {starting} starting)" if starting else ")"))
     refilling = ""
     if starting:
