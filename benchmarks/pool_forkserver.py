@@ -12,16 +12,19 @@ alternating the two in every repetition, each after the same settle (benchmarks/
   it wrote just before until every rank reports a step after the one the group resumed at
   (``rank.replaced``, then ``rank.progress``), and the steps lost. The refills of the interpreter
   pool are behind the first job then: the case of a busy box.
-- **memory**: once the repetitions are over, the proportional memory (Pss, smaps_rollup) of the fork
-  server, and of the interpreter pool's ready interpreters (one, and all of them).
+- **memory**: after the 8-rank repetitions, the proportional memory (Pss, smaps_rollup) of one
+  pool interpreter (the fork server), and of the key's whole pool: the ready interpreters, or the
+  server and the spares it forked ahead (as many as the last job's ranks: 8).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from pathlib import Path
 
 import anyio
 
@@ -80,15 +83,36 @@ async def replaced_after(ctx: Ctx, d: Daemon) -> tuple[float, float]:
             await d.client.wait(job_id)
 
 
+def spare_pids(d: Daemon) -> list[int]:
+    """Workers a fork server forked ahead and no job took: alive, and still in a pool cgroup."""
+    found = []
+    for line in d.log_path.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "pool.forked" and e.get("spare"):
+            try:
+                if "/pool-" in Path(f"/proc/{e['pid']}/cgroup").read_text():
+                    found.append(int(e["pid"]))
+            except OSError:
+                continue
+    return found
+
+
 def record_memory(ctx: Ctx, daemons: dict[str, Daemon]) -> None:
-    one = ctx.results.metric("forkserver_pss", "fork server", "Pss of one pool process", "MiB")
+    """The Pss of each pool's processes: one interpreter (or the server), and the key's whole pool
+    (the ready interpreters, or the server and its spares, as many as the last 8-rank job had)."""
+    one = ctx.results.metric("forkserver_pss", "fork server", "Pss of one pool interpreter (server)", "MiB")
     per_key = ctx.results.metric("forkserver_pss_key", "fork server", "Pss of the key's pool", "MiB")
     for name, d in daemons.items():
         pss = [_pss_mib(pid) for pid in pool_pids(d)]
+        spares = [_pss_mib(pid) for pid in spare_pids(d)]
         if pss:
             one.add(name, statistics.median(pss))
-            per_key.add(name, sum(pss))
-            ctx.say(f"  {name}: {len(pss)} pool process(es), Pss {', '.join(f'{p:.0f}' for p in pss)} MiB")
+            per_key.add(name, sum(pss) + sum(spares))
+            ctx.say(f"  {name}: {len(pss)} pool interpreter(s), Pss {', '.join(f'{p:.0f}' for p in pss)} MiB; "
+                    f"{len(spares)} spare(s), Pss {sum(spares):.0f} MiB in all")
 
 
 async def bench_forkserver(ctx: Ctx) -> None:
@@ -117,6 +141,8 @@ async def bench_forkserver(ctx: Ctx) -> None:
                 return f"RUNNING after {value:.3f}s"
 
             await ctx.alternate(reps, runners, started, [start], daemons=list(daemons.values()))
+            await ctx.settle(list(daemons.values()))
+            record_memory(ctx, daemons)  # 8 ranks' worth ready: 8 spares beside the server
 
             def record(name: str, value: tuple[float, float]) -> str:
                 back.add(name, value[0])
@@ -126,8 +152,6 @@ async def bench_forkserver(ctx: Ctx) -> None:
             hot: list[tuple[str, Callable[[], Awaitable[tuple[float, float]]]]] = [
                 (name, partial(replaced_after, ctx, d)) for name, d in daemons.items()]
             await ctx.alternate(reps, hot, record, [back, lost], daemons=list(daemons.values()))
-            await ctx.settle(list(daemons.values()))
-            record_memory(ctx, daemons)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
