@@ -167,6 +167,10 @@ def print_report(console: Console, results: Results) -> list[Target]:
     console.print(results_table(results))
     items = targets(results)
     console.print(targets_table(items))
+    unsettled = sum(sum(metric.unsettled.values()) for metric in results.metrics.values())
+    if unsettled:  # counted per metric: a run feeding two metrics counts twice
+        console.print(f"[yellow]{unsettled} measurement(s) were taken on a machine that never got quiet "
+                      "(the 'unsettled' column): not figures to publish[/yellow]")
     for metric in ordered(results):
         for launcher, whys in metric.failures.items():
             console.print(f"failed: {metric.bench} ({metric.name}), {launcher}: {len(whys)} run(s)", style="red",
