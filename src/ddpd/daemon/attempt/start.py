@@ -6,13 +6,14 @@ rank 0 serves the attempt's store, tells it when every other local rank has exit
 The ranks' tasks run inside it (a replacement's inside its re-form, `replace.reform`).
 
 `run_rank` starts one rank (`launch.Launcher`, cold or from the warm pool) or the replacement of a
-lost one (its log appended after a marker line), and enters it into the gang and the job's ranks
-before anything else is awaited, under `spawning`: the teardown takes that lock before it begins
-and no start begins once the attempt concluded, so a started process is always torn down with its
-attempt (the launch runs beside the attempt's loop, and a conclusion may come mid-start). Then its
-record and ``rank.spawned`` are written, its starter is told (`task_status`), and its reader, exit
-watch and log keeping run, bound to its job, attempt and rank in structlog's contextvars. A rank
-that cannot start reports `StartFailed` (its starter is told None).
+lost one (its log appended after a marker line), enters it into the gang and the job's ranks
+before anything else is awaited, and writes its record and ``rank.spawned``, all under `spawning`:
+the teardown takes that lock before it begins and no start begins once the attempt concluded, so
+a started process is always torn down with its attempt, and its ``rank.spawned`` comes before the
+teardown's events (the launch runs beside the attempt's loop: a conclusion may come mid-start).
+Then its starter is told (`task_status`), and its reader, exit watch and log keeping run, bound
+to its job, attempt and rank in structlog's contextvars. A rank that cannot start reports
+`StartFailed` (its starter is told None).
 """
 
 from __future__ import annotations
@@ -113,20 +114,22 @@ class Starter:
         """Start the rank and record it; None when it cannot start (`StartFailed` said why) or the
         attempt concluded."""
         log_path = self.attempt_dir / rank_log_name(self.offset + local)
-        async with self.spawning:  # the teardown waits for a start under way; none begins after a conclusion
+        # the teardown waits for a start under way, its record included (its rank.spawned comes before
+        # the teardown's events, as when the teardown waited for the whole launch); none begins after
+        async with self.spawning:
             if self.concluded.is_set():
                 return None
             h = await self._spawn(local, lost, log_path)
-        if h is None:
-            return None
-        job = self.job
-        await self.journal.save_rank(job, h.rank)
-        told: dict[str, Any] = {"pooled": True} if h.pooled else {}
-        if lost is not None:
-            told["replaces"] = lost.proc.pid
-        await self.journal.event(job, "rank.spawned", rank=h.rank.rank, pid=h.proc.pid, pgid=h.rank.pgid,
-                                 log=str(log_path), **told)
-        return h
+            if h is None:
+                return None
+            job = self.job
+            await self.journal.save_rank(job, h.rank)
+            told: dict[str, Any] = {"pooled": True} if h.pooled else {}
+            if lost is not None:
+                told["replaces"] = lost.proc.pid
+            await self.journal.event(job, "rank.spawned", rank=h.rank.rank, pid=h.proc.pid, pgid=h.rank.pgid,
+                                     log=str(log_path), **told)
+            return h
 
     async def _spawn(self, local: int, lost: RankHandle | None, log_path: Path) -> RankHandle | None:
         """Start the process (its log appended after a marker line for a replacement) and give it its
