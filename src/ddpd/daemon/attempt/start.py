@@ -7,7 +7,8 @@ The ranks' tasks run inside it (a replacement's inside its re-form, `replace.ref
 
 `run_rank` starts one rank (`launch.Launcher`, cold or from the warm pool) or the replacement of a
 lost one (its log appended after a marker line), enters it into the gang and the job's ranks
-before anything else is awaited, and writes its record and ``rank.spawned``, all under `spawning`:
+before anything else is awaited, and writes its record and ``rank.spawned`` (the first rank: the
+attempt's row, with its process group), all under `spawning`:
 the teardown takes that lock before it begins and no start begins once the attempt concluded, so
 a started process is always torn down with its attempt, and its ``rank.spawned`` comes before the
 teardown's events (the launch runs beside the attempt's loop: a conclusion may come mid-start).
@@ -75,18 +76,12 @@ class Starter:
 
     async def launch(self) -> None:
         """Start every local rank in order (each rank's tasks run in here), then serve the store's release."""
-        job = self.job
         async with anyio.create_task_group() as ranks:
-            for local in range(job.spec.nproc):
+            for local in range(self.job.spec.nproc):
                 if self.concluded.is_set():
                     break
-                h: RankHandle | None = await ranks.start(self.run_rank, local)
-                if h is None:
+                if await ranks.start(self.run_rank, local) is None:
                     break
-                if h is self.gang.handles[0]:
-                    await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid,
-                                                    store_port=self.launcher.rdzv.port, token=self.token,
-                                                    cgroup=self.cgroup)
             self.link.events.send_nowait(Launched())
             await self._release_store_host()
 
@@ -129,6 +124,10 @@ class Starter:
                 told["replaces"] = lost.proc.pid
             await self.journal.event(job, "rank.spawned", rank=h.rank.rank, pid=h.proc.pid, pgid=h.rank.pgid,
                                      log=str(log_path), **told)
+            if h is self.gang.handles[0] and lost is None:  # the attempt's row names its process group
+                port = self.launcher.rdzv.port
+                await self.journal.save_attempt(job, self.number, pgid=self.gang.pgid, store_port=port,
+                                                token=self.token, cgroup=self.cgroup)
             return h
 
     async def _spawn(self, local: int, lost: RankHandle | None, log_path: Path) -> RankHandle | None:
