@@ -28,7 +28,7 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ddpd.daemon.contain.cgroups import AttemptCgroup, probe
+from ddpd.daemon.contain.cgroups import Cgroup, probe
 from ddpd.daemon.contain.identity import SANE_PATH, Identity
 from ddpd.daemon.contain.usertree import ensure_dirs
 from ddpd.protocol import JobSpec, JobState, RemoteError
@@ -329,7 +329,7 @@ async def test_a_check_a_killed_daemon_left_is_ended_at_the_next_start(
     async with shared_box(public_tmp) as d:
         jobs = Path((await d.wait_log(lambda e: e.get("event") == "cgroup.ready"))["path"])
     os.makedirs(jobs, exist_ok=True)  # a daemon alone under the root cgroup removed its own at its stop
-    left = AttemptCgroup.create(jobs, f"check-{ann.uid}-1")
+    left = Cgroup.create(jobs, f"check-{ann.uid}-1")
     proc = await anyio.open_process(["sleep", "600"], user=ann.uid, group=ann.gid, extra_groups=[])
     try:
         left.add(proc.pid)

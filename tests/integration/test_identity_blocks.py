@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.contain.cgroups import AttemptCgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
+from ddpd.daemon.contain.cgroups import Cgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
 from ddpd.daemon.contain.gate import spawn_gated
 from ddpd.daemon.contain.identity import Identity, check_interpreter, popen_kwargs
 from ddpd.daemon.contain.usertree import create_user_file, ensure_base, ensure_job_dir
@@ -49,7 +49,7 @@ def cgroup_base() -> Iterator[Path]:
         yield base
     finally:
         for path in [*sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), base]:
-            cg = AttemptCgroup(path)
+            cg = Cgroup(path)
             assert cg.kill(PROC_TIMEOUT)
             cg.remove()
 
@@ -176,7 +176,7 @@ def test_gate_places_the_rank_before_it_runs_then_drops_to_the_user(
     state = public_tmp / "state"
     ensure_base(state)
     workdir = ensure_job_dir(state, ann, "j-1")
-    cg = AttemptCgroup.create(cgroup_base, "j-1-a1")
+    cg = Cgroup.create(cgroup_base, "j-1-a1")
     script = 'pwd; echo "$HOME $MY_SETTING"; grep ^0:: /proc/self/cgroup; echo ready; exec /bin/sleep 60'
     env = {**ann.identity_env(), "PATH": "/usr/bin:/bin", "MY_SETTING": "hello"}
     proc = spawn_gated(["/bin/sh", "-c", script], env, str(workdir), ann, cg.add,
@@ -233,7 +233,7 @@ def test_cgroup_kill_ends_a_setsid_double_forked_escapee(
 ) -> None:
     ann, _ = plain_users
     subtree = prepare_subtree(cgroup_base, "test")
-    cg = AttemptCgroup.create(subtree.jobs, "j-2-a1")
+    cg = Cgroup.create(subtree.jobs, "j-2-a1")
     proc = spawn_gated([SYSTEM_PYTHON, "-c", ESCAPE], {"PATH": "/usr/bin:/bin"}, "/", ann, cg.add,
                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, process_group=0)
     assert proc.stdout is not None
@@ -255,14 +255,14 @@ def test_cgroup_kill_ends_a_setsid_double_forked_escapee(
 def test_prepare_subtree_moves_residents_out_and_reports_controllers(cgroup_base: Path) -> None:
     resident = subprocess.Popen(["/bin/sleep", "60"], stdin=subprocess.DEVNULL)
     try:
-        AttemptCgroup(cgroup_base).add(resident.pid)
+        Cgroup(cgroup_base).add(resident.pid)
         subtree = prepare_subtree(cgroup_base, "test")
         assert subtree.jobs == cgroup_base / "jobs"
-        assert AttemptCgroup(cgroup_base).pids() == []
-        assert AttemptCgroup(cgroup_base / "daemon").pids() == [resident.pid]
+        assert Cgroup(cgroup_base).pids() == []
+        assert Cgroup(cgroup_base / "daemon").pids() == [resident.pid]
         assert own_cgroup(resident.pid) == cgroup_base / "daemon"
         assert prepare_subtree(cgroup_base, "test") == subtree  # a restarted daemon finds it done
-        cg = AttemptCgroup.create(subtree.jobs, "j-3-a1")
+        cg = Cgroup.create(subtree.jobs, "j-3-a1")
         report = cg.set_limits(memory_bytes=1 << 30, cpus=1.5)
         wanted = (("memory", "memory.max", str(1 << 30)), ("cpu", "cpu.max", "150000 100000"))
         for controller, filename, value in wanted:
@@ -277,7 +277,7 @@ def test_prepare_subtree_moves_residents_out_and_reports_controllers(cgroup_base
 
 
 def test_wait_empty_wakes_on_the_event_not_the_timeout(cgroup_base: Path) -> None:
-    cg = AttemptCgroup.create(cgroup_base, "j-4-a1")
+    cg = Cgroup.create(cgroup_base, "j-4-a1")
     sleeper = subprocess.Popen(["/bin/sleep", "60"], stdin=subprocess.DEVNULL)
     try:
         cg.add(sleeper.pid)
@@ -295,9 +295,9 @@ def test_wait_empty_wakes_on_the_event_not_the_timeout(cgroup_base: Path) -> Non
 
 
 def test_an_attempt_takes_over_a_pooled_workers_cgroup(cgroup_base: Path, subreaper: None) -> None:
-    pooled = AttemptCgroup.create(cgroup_base, "pool-1")
-    attempt = AttemptCgroup.create(cgroup_base, "j-5-a1")
-    rank = AttemptCgroup.create(attempt.path, "rank-0")
+    pooled = Cgroup.create(cgroup_base, "pool-1")
+    attempt = Cgroup.create(cgroup_base, "j-5-a1")
+    rank = Cgroup.create(attempt.path, "rank-0")
     proc = spawn_gated(["/bin/sh", "-c", "/bin/sleep 60 & echo $!; exec /bin/sleep 60"], {}, "/", None, pooled.add,
                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, process_group=0)
     assert proc.stdout is not None
@@ -328,7 +328,7 @@ def test_prepare_subtree_at_the_root_moves_nobody(cgroup_base: Path) -> None:
         assert not (root / "daemon").exists()
         assert set(subtree.controllers) | set(subtree.unavailable) == {"memory", "cpu", "pids"}
     finally:
-        AttemptCgroup(subtree.jobs).remove()
+        Cgroup(subtree.jobs).remove()
 
 
 def test_gate_enters_the_working_directory_as_the_user(
@@ -339,7 +339,7 @@ def test_gate_enters_the_working_directory_as_the_user(
     closed = public_tmp / "roots"
     closed.mkdir(mode=0o700)
     marker = public_tmp / "ran"
-    cg = AttemptCgroup.create(cgroup_base, "j-6-a1")
+    cg = Cgroup.create(cgroup_base, "j-6-a1")
     proc = spawn_gated(["/bin/sh", "-c", f"touch {marker}"], {}, str(closed), ann, cg.add,
                        stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=PROC_TIMEOUT)

@@ -10,7 +10,7 @@ import pytest
 
 from ddpd.cli.specs import parse_bytes
 from ddpd.client import JobSpec, SpecError, build_spec
-from ddpd.daemon.contain.cgroups import AttemptCgroup, Subtree
+from ddpd.daemon.contain.cgroups import Cgroup, Subtree
 from ddpd.daemon.contain.joblimits import apply_limits, wanted
 
 
@@ -29,11 +29,11 @@ def test_limits_are_bounded_at_the_door() -> None:
     assert build_spec({"memory": 1 << 30, "cpus": 1.5}).cpus == 1.5
 
 
-def fake_cgroup(tmp_path: Path, *files: str) -> AttemptCgroup:
+def fake_cgroup(tmp_path: Path, *files: str) -> Cgroup:
     """A directory standing in for an attempt's cgroup: the interface files a controller would add."""
     for name in files:
         (tmp_path / name).write_text("max\n")
-    return AttemptCgroup(tmp_path)
+    return Cgroup(tmp_path)
 
 
 def test_a_delegated_controller_gets_the_limit(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from ...protocol.limits import clip_text
 from ...protocol.spec import hot_replacements
 from ...protocol.worker import attempt_marker, marker_entry
 from ..config import Config, JobTimeouts
-from ..contain.cgroups import AttemptCgroup, Subtree
+from ..contain.cgroups import Cgroup, Subtree
 from ..contain.identity import Identity, UnknownUser
 from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
 from ..contain.portfence import PortOwner, daemon_tag
@@ -296,7 +296,7 @@ class Attempt:
         if self.subtree is None:
             return None
         try:
-            cg = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+            cg = await anyio.to_thread.run_sync(Cgroup.create, self.subtree.jobs,
                                                 f"{self.job.id}-a{self.number}")
         except OSError as exc:
             self.log.warning("cgroup.attempt_failed", error=str(exc))

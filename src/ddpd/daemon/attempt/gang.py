@@ -24,7 +24,7 @@ import anyio.to_thread
 
 from ...protocol.channel import DumpStacks, Stop
 from ..contain import procs
-from ..contain.cgroups import AttemptCgroup
+from ..contain.cgroups import Cgroup
 from ..contain.files import JobFileError, Opener, job_file_size, read_job_file
 from ..contain.reaper import disown
 from ..layout import stderr_log
@@ -47,7 +47,7 @@ class RankGang:
                  opener: Opener | None = None) -> None:
         self.job, self.journal, self.clock = job, journal, clock
         self.opener = opener  # opens a rank log safely in its owner's tree
-        self.cgroup: AttemptCgroup | None = None  # the attempt's cgroup, where there is one
+        self.cgroup: Cgroup | None = None  # the attempt's cgroup, where there is one
         self.marker = marker  # DDPD_ATTEMPT=... as in /proc/PID/environ
         self.start_ticks = start_ticks
         self.handles: list[RankHandle] = []
@@ -57,7 +57,7 @@ class RankGang:
         self.reason = ""
         self.stop_signal = 0  # raised in a script's ranks that handle it when they are asked to stop
 
-    def contain_in(self, cgroup: AttemptCgroup) -> None:
+    def contain_in(self, cgroup: Cgroup) -> None:
         """The attempt's cgroup, once made: teardown kills what is left in it."""
         self.cgroup = cgroup
 
@@ -188,7 +188,7 @@ class RankGang:
                 found.append(info)
         return found
 
-    async def _kill_cgroup(self, cg: AttemptCgroup, ranks: set[int]) -> None:
+    async def _kill_cgroup(self, cg: Cgroup, ranks: set[int]) -> None:
         """cgroup.kill: SIGKILL to all that is left in the attempt's cgroup, whatever setsid or double
         fork it did; then reap those that became our children, and remove the cgroup."""
         try:

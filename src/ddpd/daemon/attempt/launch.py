@@ -12,7 +12,7 @@ submitter (`run_as`, through the gate) and inside the attempt's cgroup (`place`)
 one; its Assign carries no environment. A pooled rank (a worker of the job's `PoolKey`: the
 same user, interpreter and start-up environment), started before the job existed, gets the
 difference to the environment it started with in ``Assign.env`` (and the names to unset), the
-job's working directory, and its cgroup moved into the attempt's (`AttemptCgroup.take_over`):
+job's working directory, and its cgroup moved into the attempt's (`Cgroup.take_over`):
 from then on it is the cold start it stands in for.
 
 `Launcher.start` returns the same `RankHandle` either way.
@@ -37,7 +37,7 @@ from ...protocol.spec import DEFAULT_UMASK, JobSpec, hot_replacements
 from ...protocol.worker import MARKER_ENV, is_reserved_env, worker_args
 from ..config import Config
 from ..contain import procs
-from ..contain.cgroups import AttemptCgroup
+from ..contain.cgroups import Cgroup
 from ..contain.identity import Identity
 from ..gpu.layout import OWN_DEVICES_ENV, rank_visible
 from ..layout import rank_error_file_name, stderr_log
@@ -117,7 +117,7 @@ class LaunchContext:
     checkpoint_dir: Path
     join_timeout: float
     clock: Clock
-    cgroup: AttemptCgroup | None = None  # the attempt's: cold ranks start in it, pooled ranks' cgroups move in
+    cgroup: Cgroup | None = None  # the attempt's: cold ranks start in it, pooled ranks' cgroups move in
     layout: NodeLayout | None = None  # a multi-node attempt: this node's place in the world
     defaults: Mapping[str, str] = field(default_factory=dict)  # every rank's, below the job's own env
 

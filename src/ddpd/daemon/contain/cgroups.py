@@ -1,4 +1,4 @@
-"""Containment by cgroup v2: one cgroup per attempt, ended with `cgroup.kill`, limits where delegated.
+"""Containment by cgroup v2: a cgroup per attempt or helper, ended with `cgroup.kill`, limits where delegated.
 
 Where the daemon may write its own cgroup (systemd `Delegate=yes` on the unit; root on a host
 whose cgroup2 mount is writable), it splits that cgroup once at start (`prepare_subtree`):
@@ -186,20 +186,21 @@ def _enable(base: Path, jobs: Path, targets: list[Path], wanted: tuple[str, ...]
 
 @dataclass(frozen=True)
 class LimitReport:
-    """What `AttemptCgroup.set_limits` applied (file -> value) and what it could not (name -> why)."""
+    """What `Cgroup.set_limits` applied (file -> value) and what it could not (name -> why)."""
 
     applied: dict[str, str]
     unavailable: dict[str, str]
 
 
 @dataclass(frozen=True)
-class AttemptCgroup:
-    """One attempt's cgroup (a leaf): create, add, limit, kill, remove."""
+class Cgroup:
+    """A leaf cgroup (an attempt's, a rank's, a pool interpreter's, a helper process's): create, add,
+    limit, kill, remove."""
 
     path: Path
 
     @classmethod
-    def create(cls, parent: Path, name: str) -> AttemptCgroup:  # also a rank leaf: create(attempt.path, "rank-0")
+    def create(cls, parent: Path, name: str) -> Cgroup:  # also a rank leaf: create(attempt.path, "rank-0")
         """`parent/name`, created (an existing one, e.g. left by a crash, is reused: kill it first)."""
         if not name or "/" in name or name in (".", ".."):
             raise ValueError(f"cgroup name {name!r} is not a single path component")
@@ -264,7 +265,7 @@ class AttemptCgroup:
         finally:
             os.close(fd)
 
-    def take_over(self, source: AttemptCgroup, timeout: float) -> bool:
+    def take_over(self, source: Cgroup, timeout: float) -> bool:
         """Move every process of `source` (e.g. a pooled worker's cgroup) here, then end and remove `source`.
 
         A process forked during the move may stay behind: `source` is killed afterwards, so nothing
@@ -329,7 +330,7 @@ def remove_emptied(jobs: Path) -> list[Path]:
     removed = []
     for path in sorted(p for p in jobs.iterdir() if p.is_dir()) if jobs.is_dir() else []:
         try:
-            AttemptCgroup(path).remove()
+            Cgroup(path).remove()
         except OSError:  # still populated (EBUSY), or gone meanwhile
             continue
         removed.append(path)

@@ -268,7 +268,7 @@ def spawn_gated(
     what: str = "the gate",
     **popen: Any,
 ) -> subprocess.Popen[bytes]:
-    """Start `argv` through the gate; `place(pid)` (e.g. `AttemptCgroup.add`) runs before it execs.
+    """Start `argv` through the gate; `place(pid)` (e.g. `Cgroup.add`) runs before it execs.
 
     `popen` goes to Popen (stdin, stdout, stderr, pass_fds, process_group...); `env`, `cwd`,
     `user`, `group`, `extra_groups` and `umask` are the gate's business and refused here. A root

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...protocol import JobSpec
-from .cgroups import AttemptCgroup, Subtree
+from .cgroups import Cgroup, Subtree
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def wanted(spec: JobSpec) -> dict[str, str]:
             **({"cpu": "cpus"} if spec.cpus is not None else {})}
 
 
-def apply_limits(spec: JobSpec, cgroup: AttemptCgroup | None, subtree: Subtree | None,
+def apply_limits(spec: JobSpec, cgroup: Cgroup | None, subtree: Subtree | None,
                  no_cgroup: str = "this daemon contains jobs by process group only (no cgroup v2)") -> LimitsOutcome:
     """Apply the spec's limits to `cgroup` where `subtree` has their controllers; say why not elsewhere."""
     asked = wanted(spec)

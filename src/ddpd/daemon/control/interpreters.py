@@ -29,7 +29,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from ..contain.cgroups import AttemptCgroup, CgroupError, Subtree
+from ..contain.cgroups import Cgroup, CgroupError, Subtree
 from ..contain.identity import Identity, check_interpreter
 from ..contain.userslots import UserSlots
 
@@ -56,7 +56,7 @@ def environment_digest(env: Mapping[str, str]) -> str:
     return h.hexdigest()
 
 
-def end_check_cgroup(cgroup: AttemptCgroup) -> None:
+def end_check_cgroup(cgroup: Cgroup) -> None:
     """Kill what is left in a check's cgroup and remove it (blocking); a stuck one is logged and kept."""
     try:
         if cgroup.kill(CGROUP_KILL_WAIT):
@@ -72,7 +72,7 @@ def sweep_checks(jobs: Path) -> None:
     """End the check cgroups a killed daemon left under `jobs` (blocking)."""
     for path in jobs.glob(f"{CHECK_PREFIX}*"):
         if path.is_dir():
-            end_check_cgroup(AttemptCgroup(path))
+            end_check_cgroup(Cgroup(path))
 
 
 class InterpreterChecks:
@@ -96,7 +96,7 @@ class InterpreterChecks:
         if self._subtree is not None:
             name = f"{CHECK_PREFIX}{identity.uid}-{next(self._serial)}"
             try:
-                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self._subtree.jobs, name)
+                cgroup = await anyio.to_thread.run_sync(Cgroup.create, self._subtree.jobs, name)
             except OSError as exc:  # the check still runs, in its process group only
                 log.warning("interpreter_check.cgroup_unavailable", uid=identity.uid, error=str(exc))
         try:

@@ -32,7 +32,7 @@ from ...protocol.framing import Decoder, FrameError, LineSplitter, encode
 from ...protocol.worker import worker_args
 from ..config import Config
 from ..contain import procs
-from ..contain.cgroups import AttemptCgroup, Subtree
+from ..contain.cgroups import Cgroup, Subtree
 from ..contain.identity import Identity
 from ..contain.usertree import create_user_file
 from ..pool.pool import end_cgroup
@@ -75,7 +75,7 @@ def agent_launch(config: Config, job: Job, identity: Identity, run_as: Identity 
 
 
 class RendezvousAgent:
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, cgroup: AttemptCgroup | None) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, cgroup: Cgroup | None) -> None:
         sock.setblocking(False)
         self.proc, self.sock, self.cgroup = proc, sock, cgroup
         self._splitter = LineSplitter()
@@ -94,7 +94,7 @@ class RendezvousAgent:
         cgroup = None
         try:
             if launch.subtree is not None:
-                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, launch.subtree.jobs,
+                cgroup = await anyio.to_thread.run_sync(Cgroup.create, launch.subtree.jobs,
                                                         f"{launch.job_id}-rdzv")
             log_fd = await anyio.to_thread.run_sync(_open_log, launch)
         except OSError as exc:
@@ -200,4 +200,4 @@ def sweep_agents(jobs: Path) -> None:
     agents died with it, PR_SET_PDEATHSIG; anything they started is killed here)."""
     for path in jobs.glob("*-rdzv"):
         if path.is_dir():
-            end_cgroup(AttemptCgroup(path))
+            end_cgroup(Cgroup(path))

@@ -13,7 +13,7 @@ import anyio
 import structlog
 
 from ...protocol.channel import Hello
-from ..contain.cgroups import AttemptCgroup
+from ..contain.cgroups import Cgroup
 from .channel import WorkerChannel
 from .poolkeys import PoolKey
 
@@ -34,7 +34,7 @@ class PoolWorker:
     channel: WorkerChannel
     key: PoolKey
     env: dict[str, str]  # what it was started with (an assignment brings the difference)
-    cgroup: AttemptCgroup | None = None  # its own, until an attempt takes it over
+    cgroup: Cgroup | None = None  # its own, until an attempt takes it over
     spawned_at: float = field(default_factory=time.monotonic)
     hello: Hello | None = None
     taken: bool = False
@@ -51,7 +51,7 @@ class PoolWorker:
 CGROUP_WAIT = 5.0  # seconds for a pool worker's cgroup to empty after cgroup.kill
 
 
-def end_cgroup(cgroup: AttemptCgroup) -> None:
+def end_cgroup(cgroup: Cgroup) -> None:
     """Kill whatever a pool worker left in its cgroup (a forked escapee included) and remove it."""
     try:
         if cgroup.kill(CGROUP_WAIT):
@@ -65,4 +65,4 @@ def end_cgroup(cgroup: AttemptCgroup) -> None:
 def sweep_cgroups(jobs: Path) -> None:
     for path in jobs.glob("pool-*"):
         if path.is_dir():
-            end_cgroup(AttemptCgroup(path))
+            end_cgroup(Cgroup(path))

@@ -69,7 +69,7 @@ from ...protocol.channel import Hello, WorkerMessage
 from ...protocol.worker import worker_args
 from ..config import Config
 from ..contain import procs
-from ..contain.cgroups import AttemptCgroup, Subtree
+from ..contain.cgroups import Cgroup, Subtree
 from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
@@ -283,10 +283,10 @@ class WarmPool:
 
     async def _spawn(self, shape: Shape) -> PoolWorker | None:
         """Start one pool worker of `shape` (the spawn itself from the event-loop thread)."""
-        cgroup: AttemptCgroup | None = None
+        cgroup: Cgroup | None = None
         try:
             if self.subtree is not None:
-                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                cgroup = await anyio.to_thread.run_sync(Cgroup.create, self.subtree.jobs,
                                                         f"pool-{os.getpid()}-{next(self._names)}")
             log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
         except OSError as exc:

@@ -12,7 +12,7 @@ import resource
 
 import structlog
 
-from ..contain.cgroups import AttemptCgroup
+from ..contain.cgroups import Cgroup
 
 log = structlog.get_logger("ddpd")
 
@@ -64,7 +64,7 @@ def set_priority(pid: int, idle: bool) -> None:
             log.warning("pool.priority_failed", pid=pid, tid=tid, error=str(exc))
 
 
-def idle_cgroup(cgroup: AttemptCgroup, idle: bool) -> None:
+def idle_cgroup(cgroup: Cgroup, idle: bool) -> None:
     """``cpu.idle`` of a pool interpreter's cgroup, where the cpu controller gives it one (inside a
     cgroup, SCHED_IDLE only ranks a thread against its own cgroup's threads, not the attempts')."""
     try:
@@ -73,7 +73,7 @@ def idle_cgroup(cgroup: AttemptCgroup, idle: bool) -> None:
         pass
 
 
-def freeze_cgroup(cgroup: AttemptCgroup, frozen: bool) -> bool:
+def freeze_cgroup(cgroup: Cgroup, frozen: bool) -> bool:
     """Freeze (or thaw) a pool interpreter's cgroup (``cgroup.freeze``): a frozen refill takes no CPU
     at all, where even one at SCHED_IDLE slows a job beside it (the caches, the memory bus, a core's
     other hardware thread). Whether it is frozen now; a fatal signal still ends a frozen process."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import structlog
 
 from ..attempt.teardown import UNKILLABLE_WAIT
-from ..contain.cgroups import AttemptCgroup
+from ..contain.cgroups import Cgroup
 from ..contain.procs import find_members, proc_environ_has, reap_children
 
 log = structlog.get_logger("ddpd")
@@ -18,7 +18,7 @@ log = structlog.get_logger("ddpd")
 
 def kill_cgroup(path: str) -> list[int]:
     """Blocking: SIGKILL every process left in an attempt's cgroup (cgroup.kill), then remove it."""
-    cg = AttemptCgroup(Path(path))
+    cg = Cgroup(Path(path))
     try:
         if not cg.path.exists():
             return []

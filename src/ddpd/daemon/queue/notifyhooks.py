@@ -55,7 +55,7 @@ import structlog
 
 from ...protocol.spec import reserved_env
 from ..config import Config
-from ..contain.cgroups import AttemptCgroup, CgroupError, Subtree
+from ..contain.cgroups import Cgroup, CgroupError, Subtree
 from ..contain.identity import SANE_PATH, Identity, UnknownUser, job_environment, popen_kwargs, submitted_environment
 from ..contain.procs import Exit
 from ..contain.reaper import spawned
@@ -234,7 +234,7 @@ def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: 
     return HookRun(why + (f": {said.splitlines()[-1]}" if said else ""), ended, status)
 
 
-def end_cgroup(cgroup: AttemptCgroup) -> None:
+def end_cgroup(cgroup: Cgroup) -> None:
     """Kill what is left in a hook's cgroup and remove it (blocking); a stuck one is logged and kept."""
     try:
         if cgroup.kill(CGROUP_KILL_WAIT):
@@ -255,7 +255,7 @@ def sweep(jobs: Path) -> None:
         log.warning("notify.sweep_failed", cgroup=str(jobs), error=str(exc))
         return
     for path in left:
-        end_cgroup(AttemptCgroup(path))
+        end_cgroup(Cgroup(path))
 
 
 def picture_argv(python: str, socket: Path, job_id: str, path: Path) -> list[str]:
@@ -372,7 +372,7 @@ class Notifier:
         cgroup = None
         if self.subtree is not None:
             try:
-                cgroup = await anyio.to_thread.run_sync(AttemptCgroup.create, self.subtree.jobs,
+                cgroup = await anyio.to_thread.run_sync(Cgroup.create, self.subtree.jobs,
                                                         f"{PREFIX}{identity.uid}-{next(self._serial)}")
             except OSError as exc:  # it still runs, in its process group only
                 log.warning("notify.cgroup_unavailable", error=str(exc))
