@@ -25,6 +25,8 @@ from typing import Any
 import anyio
 import pytest
 
+from ddpd.client import JobSpec
+from ddpd.daemon.contain.identity import Identity
 from ddpd.daemon.pool.channel import WorkerChannel
 from ddpd.protocol import JobState
 from ddpd.protocol.channel import Fork, ForkRefused, Hello
@@ -32,6 +34,8 @@ from ddpd.protocol.worker import worker_args
 
 from ..conftest import REPO, DaemonProc, assert_gone, running_daemon, start_daemon, stop_daemon
 from ..faults.helpers import await_gone, become_subreaper
+from ..scripts.userpython import USER_PYTHON, user_pythonpath
+from ..users import submit_as
 from .test_hot_replace import STEP_SLEEP, checksums, events_of, kill_rank, same_run
 
 pytestmark = pytest.mark.anyio
@@ -61,7 +65,7 @@ def as_any_rank(report: dict[str, Any], job_id: str, rank: int) -> dict[str, Any
     same["cgroup"] = re.sub(r"/ddpd-[0-9a-f]+/", "/DAEMON/", report["cgroup"].replace(job_id, "JOB"))
     same["rank"] = rank
     if rank == 0:  # it serves the attempt's store: its sockets come and go as the other ranks connect
-        del same["fds"]
+        same.pop("fds", None)
     return same
 
 
@@ -257,3 +261,52 @@ def test_a_worker_already_reparented_does_not_wait_for_its_parent() -> None:
     code = "import os; from ddpd.worker.forkserver import _await_reparent; _await_reparent(os.getppid())"
     done = subprocess.run([sys.executable, "-c", code], timeout=60, check=False, stdin=subprocess.DEVNULL)
     assert done.returncode == 0
+
+
+SHOW = str(REPO / "tests" / "scripts" / "show_identity.py")
+
+
+def identity_reports(view: Any) -> list[dict[str, Any]]:
+    found = []
+    for r in sorted(view.ranks, key=lambda r: r.rank):
+        text = Path(r.log).read_text()
+        found += [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("ddpd-test-identity ")]
+    return found
+
+
+@pytest.mark.xdist_group("users")  # useradd/userdel lock /etc/passwd: one worker at a time
+@pytest.mark.skipif(os.geteuid() != 0, reason="running jobs as other users needs root")
+async def test_a_users_ranks_are_forked_by_her_own_server_as_her(users: tuple[Identity, Identity],
+                                                                  public_tmp: Path) -> None:
+    """Her first job starts cold (a key new to the pool) and her key's server starts as her; her next
+    job's ranks are forked by it and are the cold ranks they stand in for (ids, groups, umask,
+    environment, interpreter, directory, cgroup)."""
+    ann, _ = users
+    config = public_tmp / "ddpd.toml"
+    config.write_text('socket_mode = "0666"\npool_fork_server = true\n')
+    async with running_daemon(public_tmp, "--config", str(config), "--gpus", "0", "--pool-size", "2",
+                              "--cpu-slots", "4") as d:
+        spec = JobSpec(script=[SHOW], python=USER_PYTHON, nproc=NPROC, workdir="/tmp",
+                       environ={"PATH": "/usr/bin:/bin", "PYTHONPATH": user_pythonpath(), "MY_SETTING": "hello"})
+        runs = []
+        for n in range(2):
+            job_id = await submit_as(ann, d, spec)
+            assert not job_id.startswith("refused"), job_id
+            with anyio.fail_after(SERVER_TIMEOUT):
+                view = await d.client.wait(job_id)
+            assert view.state == JobState.SUCCEEDED, view.root_cause
+            runs.append((job_id, identity_reports(view), view))
+            if n == 0:
+                ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready" and e.get("uid") == ann.uid,
+                                         SERVER_TIMEOUT)
+                server = int(ready["pid"])
+                assert os.stat(f"/proc/{server}").st_uid == ann.uid
+        (cold_id, cold, cold_view), (warm_id, warm, warm_view) = runs
+        forked = {int(e["pid"]): int(e["server"]) for e in d.logs if e.get("event") == "pool.forked"}
+        assert all(r.pid not in forked for r in cold_view.ranks)
+        assert all(forked.get(r.pid or 0) == server for r in warm_view.ranks)
+        assert len(cold) == len(warm) == NPROC
+        for c, w in zip(cold, warm, strict=True):
+            assert (w["uid"], w["gid"], w["groups"]) == (ann.uid, ann.gid, sorted(ann.groups))
+            assert as_any_rank(w, warm_id, 0) == as_any_rank(c, cold_id, 0)
