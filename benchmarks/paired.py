@@ -58,9 +58,11 @@ LOOP = str(Path(__file__).resolve().with_name("loop.py"))
 REPO = Path(LOOP).parent.parent
 # side: (how it runs, the daemon it runs on). "ddpd": the bare loop as a script, submitted right
 # after a short job (its pool refilling behind it); "ddpd (cold)": the same without a pool; "ddpd
-# (task)": the built-in mlp task; "torchrun (again)": a second torchrun, the method's own spread;
+# (task)": the built-in mlp task; "ddpd (forked)": the bare loop on ranks a fork server forked
+# (``pool_fork_server``; also after a short job); "torchrun (again)": a second torchrun, the method's own spread;
 # "torchrun (batch)": torchrun under `chrt -b 0` (it and its ranks at SCHED_BATCH).
 SIDES = {"ddpd": ("script", "pooled"), "ddpd (cold)": ("script", "cold"), "ddpd (task)": ("task", "task"),
+         "ddpd (forked)": ("script", "forked"),
          "torchrun": ("torchrun", ""), "torchrun (again)": ("torchrun", ""), "torchrun (batch)": ("torchrun", "batch")}
 CHRT_BATCH = ("chrt", "-b", "0")
 REFERENCE = "torchrun"
@@ -191,10 +193,12 @@ async def start_sides(base: Path, model: Model, rounds: int, nproc: int,
         side.make_fifos()
     for key in ("pooled", "task"):
         await pool_settled(daemons[key])
-    short = await submit(daemons["pooled"], model, warmup + 1, None, "script", nproc)
-    view = await daemons["pooled"].client.wait(short)
-    if view.state != "SUCCEEDED":
-        raise BenchError(f"ddpd: the short job {short} ended {view.state}: {why(view.root_cause)}")
+    await pool_settled(daemons["forked"], 1)  # its fork server
+    for key in ("pooled", "forked"):
+        short = await submit(daemons[key], model, warmup + 1, None, "script", nproc)
+        view = await daemons[key].client.wait(short)
+        if view.state != "SUCCEEDED":
+            raise BenchError(f"ddpd: the short job {short} ended {view.state}: {why(view.root_cause)}")
     for name, side in sides.items():
         kind, daemon = SIDES[name]
         if kind == "torchrun":
@@ -271,7 +275,8 @@ async def paired(models: Sequence[Model], rounds: int, nproc: int = 2) -> list[d
         base = Path(tmp)
         daemons: dict[str, Daemon] = {}
         try:
-            for key, config in (("pooled", {}), ("cold", {"pool_size": 0}), ("task", {})):
+            for key, config in (("pooled", {}), ("cold", {"pool_size": 0}), ("task", {}),
+                                ("forked", {"pool_fork_server": True})):
                 daemons[key] = await start_daemon(base, key, config={"cpu_slots": slots, **config})
             for model in models:
                 sides, settled = await start_sides(base, model, rounds, nproc, daemons)

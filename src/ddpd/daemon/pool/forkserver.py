@@ -2,14 +2,15 @@
 
 With the fork server on, the pool keeps one interpreter per key, started with ``--fork-server``
 as a pooled interpreter is (the key's user, its own cgroup, torch imported), and every pooled
-rank is forked from it on request (`fork_from`) instead of being a whole interpreter of its own:
-milliseconds a rank, any number of ranks, and the memory of one interpreter per key.
+rank is forked from it (`fork_from`) instead of being a whole interpreter of its own: milliseconds
+a rank, any number of ranks, and the memory of one interpreter per key. `Spares` keeps workers
+forked ahead, as many as the key's last job had ranks, so a job takes them at once.
 
 A request is one `Fork` frame on the server's channel carrying the new worker's channel end
-(SCM_RIGHTS); one request at a time per server (`ForkServer.lock`), each answered by `Forked`
+(SCM_RIGHTS); one request at a time per server (`members.ForkServer.lock`), each answered by `Forked`
 (the worker's pid) or `ForkRefused` within FORK_WAIT. The server forks through an intermediate
 child that exits at once, so the worker is the daemon's child (the daemon is a child subreaper)
-by the time `Forked` arrives: `adopt` registers it with the reaper of inherited children as the
+by the time `Forked` arrives: `_request` registers it with the reaper of inherited children as the
 daemon's own child (`reaper.spawned`, checked under the reaper's lock to be a child of this
 process), and wraps it in a `Popen` the attempt waits on, reads the exit status of and signals as
 any rank it started itself (`AdoptedChild`). Then the worker's Hello is read on its own channel
