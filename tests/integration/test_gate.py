@@ -22,7 +22,8 @@ import pytest
 
 from ddpd.daemon.contain import gate as gate_mod
 from ddpd.daemon.contain.gate import shell_gate, shell_launch, spawn_gated
-from ddpd.daemon.contain.identity import Identity, check_interpreter
+from ddpd.daemon.contain.identity import Identity
+from ddpd.daemon.control.interpreters import check_interpreter
 from tests.conftest import assert_gone
 
 pytestmark = [

@@ -22,8 +22,9 @@ import pytest
 
 from ddpd.daemon.contain.cgroups import Cgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
 from ddpd.daemon.contain.gate import spawn_gated
-from ddpd.daemon.contain.identity import Identity, check_interpreter, popen_kwargs
+from ddpd.daemon.contain.identity import Identity, popen_kwargs
 from ddpd.daemon.contain.usertree import create_user_file, ensure_base, ensure_job_dir
+from ddpd.daemon.control.interpreters import check_interpreter
 from tests.conftest import assert_gone
 
 pytestmark = [

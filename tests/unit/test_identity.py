@@ -13,12 +13,12 @@ from ddpd.daemon.contain.identity import (
     RANK_UMASK,
     Identity,
     UnknownUser,
-    check_interpreter,
     check_serves,
     job_environment,
     may_see_detail,
     popen_kwargs,
 )
+from ddpd.daemon.control.interpreters import check_interpreter
 
 
 def test_identity_of_root_comes_from_passwd() -> None:

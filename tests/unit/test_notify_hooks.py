@@ -15,14 +15,13 @@ from ddpd.daemon.contain.identity import Identity
 from ddpd.daemon.contain.procs import Exit
 from ddpd.daemon.contain.reaper import reap_inherited
 from ddpd.daemon.queue.notifyhooks import (
-    PREFIX,
+    HOOKS,
     Hook,
     HookRun,
     hooks_of,
     http_status,
     notice_of,
     run_hook,
-    sweep,
     variables,
 )
 from ddpd.daemon.store.records import Job, Rank
@@ -150,13 +149,13 @@ def test_only_a_status_line_of_three_digits_is_an_http_status() -> None:
 def test_the_start_sweep_of_left_hook_cgroups_survives_running_out_of_descriptors(tmp_path: Path) -> None:
     """Bug: the sweep's listing raised EMFILE into the daemon's root task group, which ended the
     daemon (a user hoarding connections at its start could stop it)."""
-    (tmp_path / f"{PREFIX}1").mkdir()
+    (tmp_path / f"{HOOKS.prefix}1").mkdir()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     lowest_free = os.dup(0)  # the limit bounds the descriptor's number: the next one would be this
     os.close(lowest_free)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # none to spare
     try:
-        sweep(tmp_path)  # logged (notify.sweep_failed); nothing raised
+        HOOKS.sweep(tmp_path)  # logged (notify.sweep_failed); nothing raised
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert (tmp_path / f"{PREFIX}1").is_dir()  # left for the next start's sweep
+    assert (tmp_path / f"{HOOKS.prefix}1").is_dir()  # left for the next start's sweep

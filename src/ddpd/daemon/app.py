@@ -26,12 +26,12 @@ from .contain.procs import set_child_subreaper
 from .contain.reaper import reap_forever
 from .contain.usertree import ensure_base
 from .control.door import accept_forever
-from .control.interpreters import sweep_checks
+from .control.interpreters import CHECKS
 from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
 from .gpu.gpus import GpuInfo, daemon_devices
 from .logs import configure_logging, parse_level, set_level
-from .multinode.agentproc import sweep_agents
+from .multinode.agentproc import AGENTS
 from .notify import SystemdNotifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
@@ -158,8 +158,8 @@ class Daemon:
         await anyio.to_thread.run_sync(open_fences, cfg)  # before any job: a killed run's rules swept
         set_child_subreaper()
         if subtree is not None:  # interpreter checks a killed daemon left running
-            await anyio.to_thread.run_sync(sweep_checks, subtree.jobs)
-            await anyio.to_thread.run_sync(sweep_agents, subtree.jobs)  # and its jobs' rendezvous agents
+            await anyio.to_thread.run_sync(CHECKS.sweep, subtree.jobs)
+            await anyio.to_thread.run_sync(AGENTS.sweep, subtree.jobs)  # and its jobs' rendezvous agents
         gpus = await _gpus(cfg.gpus)
         bus = EventBus()
         journal = Journal(db, bus)

@@ -43,7 +43,8 @@ from ..gpu.layout import OWN_DEVICES_ENV, rank_visible
 from ..layout import rank_error_file_name, stderr_log
 from ..multinode.nodes import NodeLayout
 from ..pool.channel import WorkerChannel
-from ..pool.pool import PoolWorker, WarmPool, end_cgroup
+from ..pool.members import POOL
+from ..pool.pool import PoolWorker, WarmPool
 from ..pool.poolkeys import PoolKey, Shape, base_env, pool_eligible, start_env
 from ..run.clock import Clock
 from ..run.rendezvous import Rendezvous
@@ -209,7 +210,7 @@ class Launcher:
             taken.proc.kill()
             taken.proc.wait()
             if taken.cgroup is not None:
-                end_cgroup(taken.cgroup)  # whatever stayed behind in it
+                POOL.end(taken.cgroup)  # whatever stayed behind in it
             raise
 
     def _spawn(self, rank: int, log_path: Path, log_fds: tuple[int, int]) -> RankHandle:

@@ -13,34 +13,23 @@ gid and the supplementary groups (`os.getgrouplist`, what `initgroups` would set
   client, a raw request) starts from `submitted_environment`: the passwd entry's variables and
   `SANE_PATH`, never the root daemon's own environment (its HOME, PATH, secrets); only the
   daemon's own user gets the daemon's environment.
-- `check_interpreter` runs the job's interpreter as the submitter, with the job's environment, to
-  prove it can `import torch, ddpd.worker` before the job is accepted.
 
-`Identity.of` and `check_interpreter` block (database lookups, a child process): call them via
-`anyio.to_thread.run_sync`. The rest is pure.
+`Identity.of` blocks (database lookups): call it via `anyio.to_thread.run_sync`. The rest is pure.
+(The check that the job's interpreter runs as the submitter is `ddpd.daemon.control.interpreters`;
+it starts as every helper process does, `ddpd.daemon.contain.helpers`.)
 """
 
 from __future__ import annotations
 
-import errno
 import grp
 import os
 import pwd
-import re
-import selectors
-import signal
-import subprocess
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .reaper import spawned
-
 SANE_PATH = "/usr/local/bin:/usr/bin:/bin"  # a submit without `environ`: what login(1) gives a user
 RANK_UMASK = 0o077  # what ranks create is the submitter's alone unless they widen it themselves
-INTERPRETER_CHECK = "import torch, ddpd.worker"
-CHECK_OUTPUT_LIMIT = 4096  # bytes of the check's stderr kept for the reason
 
 
 class UnknownUser(LookupError):
@@ -157,125 +146,3 @@ def submitted_environment(identity: Identity, environ: Mapping[str, str] | None)
     if identity.uid == os.geteuid():
         return dict(os.environ)
     return {**identity.identity_env(), "PATH": SANE_PATH}
-
-
-_MISSING = re.compile(r"No module named '([^']+)'")
-
-
-def _start_check(identity: Identity, python: str, env: Mapping[str, str], daemon_uid: int | None,
-                 place: Callable[[int], None] | None) -> subprocess.Popen[bytes]:
-    """The check's process: plain Popen as the user, or (`place`: into a cgroup first) through the gate."""
-    std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE,
-                           "process_group": 0}
-    if place is None:
-        return spawned(lambda: subprocess.Popen([python, "-c", INTERPRETER_CHECK], env=dict(env), cwd="/", **std,
-                                                **popen_kwargs(identity, daemon_uid)))
-    from .gate import spawn_gated  # the gate imports this module (Identity, RANK_UMASK)
-
-    as_user = identity if popen_kwargs(identity, daemon_uid) else None
-    return spawn_gated([python, "-c", INTERPRETER_CHECK], env, "/", as_user, place, register=spawned,
-                       what="the interpreter check", **std)
-
-
-def _start_refusal(python: str, who: str, exc: OSError) -> str:
-    if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT:
-        return f"python {python} does not exist (or a directory on its path is missing)"
-    if isinstance(exc, PermissionError) or exc.errno == errno.EACCES:
-        return (
-            f"python {python} is not executable by {who}: it or a directory on its path (or its symlink's "
-            "target) is closed to that user; use an interpreter the user can run"
-        )
-    return f"python {python} cannot be started as {who}: {exc.strerror or exc}"
-
-
-_GATE_FAILED = re.compile(rb"^ddpd: cannot start .* \[Errno (\d+)\] ([^\n:]*)", re.MULTILINE)
-
-
-def check_interpreter(
-    identity: Identity, python: str, env: Mapping[str, str], timeout: float, daemon_uid: int | None = None,
-    place: Callable[[int], None] | None = None,
-) -> str | None:
-    """Why `python` cannot run a rank as `identity`, or None when it imports torch and ddpd.worker.
-
-    Runs `python -c "import torch, ddpd.worker"` as the user (`popen_kwargs`) with the job's `env`,
-    in `/`, stdin from /dev/null, in a process group of its own that is killed afterwards, for at
-    most `timeout` seconds, keeping only the tail of what it writes to stderr. With `place` (e.g. a
-    cgroup's `add`), it starts through the gate and is placed before any of the user's code runs;
-    the caller kills that cgroup afterwards (what the check left, even `setsid`, ends with it).
-    Blocking (a child process and `import torch`, about 2 s): call via anyio.to_thread.
-    """
-    if not os.path.isabs(python):
-        return f"python {python!r} must be an absolute path (ddpctl sends sys.executable or --python PATH)"
-    who = f"user {identity.name} (uid {identity.uid})"
-    try:
-        proc = _start_check(identity, python, env, daemon_uid, place)
-    except OSError as exc:
-        return _start_refusal(python, who, exc)
-    try:
-        tail, exited = _tail_and_wait(proc, timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the leader is not reaped yet: its group id is still its own
-        except ProcessLookupError:
-            pass
-        returncode = proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
-    if not exited:
-        return f"python {python} did not finish `{INTERPRETER_CHECK}` within {timeout:g} s as {who}"
-    if returncode == 0:
-        return None
-    gate = _GATE_FAILED.search(tail) if place is not None else None
-    if gate is not None:  # the gate could not exec it (as the user)
-        return _start_refusal(python, who, OSError(int(gate.group(1)), gate.group(2).decode(errors="replace")))
-    err = tail.decode(errors="replace")
-    missing = _MISSING.search(err)
-    if missing:
-        module = missing.group(1)
-        hint = "pip install torch" if module.split(".")[0] == "torch" else "pip install ddpd"
-        return (
-            f"python {python} cannot import {module} as {who} (No module named '{module}'); "
-            f"install it into that environment ({hint})"
-        )
-    last = err.strip().splitlines()[-1] if err.strip() else f"exit status {returncode}"
-    return f"python {python} failed `{INTERPRETER_CHECK}` as {who}: {last}"
-
-
-def _tail_and_wait(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bool]:
-    """The last CHECK_OUTPUT_LIMIT bytes of `proc`'s stderr, and whether it exited within `timeout` s.
-
-    Reads as output comes, so a child that writes without end costs bounded memory and time. The
-    exit is seen on a pidfd (a background child may hold stderr open after the interpreter is
-    gone), without reaping, so the caller can still signal the child's group.
-    """
-    assert proc.stderr is not None
-    deadline = time.monotonic() + timeout
-    tail = b""
-    err = proc.stderr.fileno()
-    os.set_blocking(err, False)
-    pidfd = os.pidfd_open(proc.pid)
-    try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(err, selectors.EVENT_READ)
-            sel.register(pidfd, selectors.EVENT_READ)
-            reading = True
-            while True:
-                left = deadline - time.monotonic()
-                ready = {key.fd for key, _ in sel.select(left)} if left > 0 else set()
-                if not ready:
-                    return tail, False
-                if reading:
-                    for _ in range(16):  # what is there now, bounded: a writer may never stop
-                        try:
-                            chunk = os.read(err, 65536)
-                        except BlockingIOError:
-                            break
-                        if not chunk:
-                            sel.unregister(err)
-                            reading = False
-                            break
-                        tail = (tail + chunk)[-CHECK_OUTPUT_LIMIT:]
-                if pidfd in ready:
-                    return tail, True
-    finally:
-        os.close(pidfd)

@@ -1,8 +1,8 @@
 """The submit-time interpreter check, off the event loop, bounded, fair, contained, remembered a while.
 
-`check_interpreter` (identity.py) runs `python -c "import torch, ddpd.worker"` as the submitter
-with the job's environment: about two seconds of `import torch`, and the user's code (a wrapper,
-a sitecustomize). So:
+`check_interpreter` runs `python -c "import torch, ddpd.worker"` as the submitter with the job's
+environment (a helper process, `ddpd.daemon.contain.helpers`): about two seconds of `import torch`,
+and the user's code (a wrapper, a sitecustomize). So:
 
 - each uid runs at most `interpreter_checks_per_user` checks at once (its others wait their turn),
   all users together at most MAX_CHECK_THREADS (worker threads of their own limiter: a burst of
@@ -11,26 +11,29 @@ a sitecustomize). So:
 - where the daemon has a cgroup subtree, each check runs in a cgroup of its own
   (``check-<uid>-<n>``), entered before any of the user's code runs (the gate); the cgroup is
   killed and removed when the check ends, so nothing it started (even `setsid`) outlives it, and
-  a daemon killed meanwhile leaves cgroups that `sweep_checks` ends at the next start;
+  a daemon killed meanwhile leaves cgroups that `CHECKS.sweep` ends at the next start;
 - a success is remembered for CACHE_SECONDS per (uid, interpreter, environment), so back-to-back
   submits from one shell pay it once. Failures are never remembered: the user may fix them.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
+import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import structlog
 
-from ..contain.cgroups import Cgroup, CgroupError, Subtree
-from ..contain.identity import Identity, check_interpreter
+from ..contain.cgroups import Subtree
+from ..contain.helpers import HelperKind, Place, run_bounded, run_contained
+from ..contain.identity import Identity
 from ..contain.userslots import UserSlots
 
 log = structlog.get_logger("ddpd")
@@ -38,8 +41,9 @@ log = structlog.get_logger("ddpd")
 CACHE_SECONDS = 600.0
 CACHE_SIZE = 256
 MAX_CHECK_THREADS = 32
-CGROUP_KILL_WAIT = 10.0  # seconds for a check's cgroup to empty once killed
-CHECK_PREFIX = "check-"
+CHECKS = HelperKind("interpreter_check", prefix="check-", kill_wait=10.0)  # ``check-<uid>-<n>``
+INTERPRETER_CHECK = "import torch, ddpd.worker"
+CHECK_OUTPUT_LIMIT = 4096  # bytes of the check's stderr kept for the reason
 
 
 # what decides whether `import torch, ddpd.worker` works: the rest (PWD, a prompt, a token) does not,
@@ -54,25 +58,6 @@ def environment_digest(env: Mapping[str, str]) -> str:
     for key in sorted(k for k in env if k.startswith(_IMPORT_ENV_PREFIXES)):
         h.update(key.encode("utf-8", "surrogateescape") + b"\0" + env[key].encode("utf-8", "surrogateescape") + b"\0")
     return h.hexdigest()
-
-
-def end_check_cgroup(cgroup: Cgroup) -> None:
-    """Kill what is left in a check's cgroup and remove it (blocking); a stuck one is logged and kept."""
-    try:
-        if cgroup.kill(CGROUP_KILL_WAIT):
-            cgroup.remove()
-            return
-    except (CgroupError, OSError) as exc:
-        log.warning("interpreter_check.cgroup_left", cgroup=str(cgroup.path), error=str(exc))
-        return
-    log.warning("interpreter_check.cgroup_left", cgroup=str(cgroup.path), error="still populated after kill")
-
-
-def sweep_checks(jobs: Path) -> None:
-    """End the check cgroups a killed daemon left under `jobs` (blocking)."""
-    for path in jobs.glob(f"{CHECK_PREFIX}*"):
-        if path.is_dir():
-            end_check_cgroup(Cgroup(path))
 
 
 class InterpreterChecks:
@@ -92,20 +77,9 @@ class InterpreterChecks:
         """One check, in a cgroup of its own where there is a subtree (killed and removed afterwards)."""
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(MAX_CHECK_THREADS)
-        cgroup = None
-        if self._subtree is not None:
-            name = f"{CHECK_PREFIX}{identity.uid}-{next(self._serial)}"
-            try:
-                cgroup = await anyio.to_thread.run_sync(Cgroup.create, self._subtree.jobs, name)
-            except OSError as exc:  # the check still runs, in its process group only
-                log.warning("interpreter_check.cgroup_unavailable", uid=identity.uid, error=str(exc))
-        try:
-            return await anyio.to_thread.run_sync(check_interpreter, identity, python, env, timeout, None,
-                                                  None if cgroup is None else cgroup.add, limiter=self._limiter)
-        finally:
-            if cgroup is not None:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(end_check_cgroup, cgroup)
+        return await run_contained(CHECKS, self._subtree, f"{identity.uid}-{next(self._serial)}",
+                                   lambda place: check_interpreter(identity, python, env, timeout, None, place),
+                                   uid=identity.uid, limiter=self._limiter)
 
     async def refusal(self, identity: Identity, python: str, env: Mapping[str, str], timeout: float) -> str | None:
         key = (identity.uid, python, environment_digest(env))
@@ -120,3 +94,62 @@ class InterpreterChecks:
             while len(self._ok) > CACHE_SIZE:
                 self._ok.popitem(last=False)
         return reason
+
+
+_MISSING = re.compile(r"No module named '([^']+)'")
+
+
+def _start_refusal(python: str, who: str, exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT:
+        return f"python {python} does not exist (or a directory on its path is missing)"
+    if isinstance(exc, PermissionError) or exc.errno == errno.EACCES:
+        return (
+            f"python {python} is not executable by {who}: it or a directory on its path (or its symlink's "
+            "target) is closed to that user; use an interpreter the user can run"
+        )
+    return f"python {python} cannot be started as {who}: {exc.strerror or exc}"
+
+
+_GATE_FAILED = re.compile(rb"^ddpd: cannot start .* \[Errno (\d+)\] ([^\n:]*)", re.MULTILINE)
+
+
+def check_interpreter(
+    identity: Identity, python: str, env: Mapping[str, str], timeout: float, daemon_uid: int | None = None,
+    place: Place | None = None,
+) -> str | None:
+    """Why `python` cannot run a rank as `identity`, or None when it imports torch and ddpd.worker.
+
+    Runs `python -c "import torch, ddpd.worker"` as the user (`popen_kwargs`) with the job's `env`,
+    in `/`, stdin from /dev/null, in a process group of its own that is killed afterwards, for at
+    most `timeout` seconds, keeping only the tail of what it writes to stderr. With `place` (e.g. a
+    cgroup's `add`), it starts through the gate and is placed before any of the user's code runs;
+    the caller kills that cgroup afterwards (what the check left, even `setsid`, ends with it).
+    Blocking (a child process and `import torch`, about 2 s): call via anyio.to_thread.
+    """
+    if not os.path.isabs(python):
+        return f"python {python!r} must be an absolute path (ddpctl sends sys.executable or --python PATH)"
+    who = f"user {identity.name} (uid {identity.uid})"
+    try:
+        ran = run_bounded([python, "-c", INTERPRETER_CHECK], env, identity, timeout, place,
+                          what="the interpreter check", stderr_keep=CHECK_OUTPUT_LIMIT, daemon_uid=daemon_uid)
+    except OSError as exc:
+        return _start_refusal(python, who, exc)
+    returncode, tail = ran.returncode, ran.stderr
+    if returncode is None:
+        return f"python {python} did not finish `{INTERPRETER_CHECK}` within {timeout:g} s as {who}"
+    if returncode == 0:
+        return None
+    gate = _GATE_FAILED.search(tail) if place is not None else None
+    if gate is not None:  # the gate could not exec it (as the user)
+        return _start_refusal(python, who, OSError(int(gate.group(1)), gate.group(2).decode(errors="replace")))
+    err = tail.decode(errors="replace")
+    missing = _MISSING.search(err)
+    if missing:
+        module = missing.group(1)
+        hint = "pip install torch" if module.split(".")[0] == "torch" else "pip install ddpd"
+        return (
+            f"python {python} cannot import {module} as {who} (No module named '{module}'); "
+            f"install it into that environment ({hint})"
+        )
+    last = err.strip().splitlines()[-1] if err.strip() else f"exit status {returncode}"
+    return f"python {python} failed `{INTERPRETER_CHECK}` as {who}: {last}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,11 +30,11 @@ from ...protocol.agent import AgentError, AgentReply, AgentRequest
 from ...protocol.framing import Decoder, FrameError, LineSplitter, encode
 from ...protocol.worker import worker_args
 from ..config import Config
-from ..contain import procs
+from ..contain import helpers, procs
 from ..contain.cgroups import Cgroup, Subtree
+from ..contain.helpers import HelperKind
 from ..contain.identity import Identity
 from ..contain.usertree import create_user_file
-from ..pool.pool import end_cgroup
 from ..pool.poolkeys import base_env
 from ..store.records import Job
 from .elastic import NodeError
@@ -46,6 +45,9 @@ AGENT_LOG = "rendezvous.log"
 RDZV_ENV = "DDPD_RDZV"  # the agent's run id, in its environment (how another daemon on this host knows it)
 AGENT_JOB_ENV = "DDPD_RDZV_JOB"  # the job it serves
 CLOSE_WAIT = 5.0
+# an agent's cgroup (``<job>-rdzv``); the sweep at the daemon's start ends those a killed run left
+# (their agents died with it, PR_SET_PDEATHSIG; anything they started is killed there)
+AGENTS = HelperKind("nodes", suffix="-rdzv", kill_wait=5.0)
 MAX_STALE = 64  # replies to abandoned requests skipped in one call before the agent is called broken
 
 
@@ -92,14 +94,12 @@ class RendezvousAgent:
     async def start(cls, launch: AgentLaunch) -> RendezvousAgent:
         """Spawn the agent (from the event-loop thread: its PR_SET_PDEATHSIG follows this thread)."""
         cgroup = None
-        try:
+        try:  # an agent always runs in its cgroup where there is a subtree: no cgroup, no agent
             if launch.subtree is not None:
-                cgroup = await anyio.to_thread.run_sync(Cgroup.create, launch.subtree.jobs,
-                                                        f"{launch.job_id}-rdzv")
+                cgroup = await anyio.to_thread.run_sync(AGENTS.create, launch.subtree.jobs, launch.job_id)
             log_fd = await anyio.to_thread.run_sync(_open_log, launch)
         except OSError as exc:
-            if cgroup is not None:
-                await anyio.to_thread.run_sync(end_cgroup, cgroup)
+            await AGENTS.aend(cgroup)
             raise NodeError(f"cannot start the rendezvous agent: {exc}") from None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [*launch.argv, *worker_args(child_end.fileno(), os.getpid(), agent=True)]
@@ -110,8 +110,7 @@ class RendezvousAgent:
                                place=None if cgroup is None else cgroup.add, what="the rendezvous agent's start")
         except OSError as exc:
             parent_end.close()
-            if cgroup is not None:
-                await anyio.to_thread.run_sync(end_cgroup, cgroup)
+            await AGENTS.aend(cgroup)
             raise NodeError(f"cannot start the rendezvous agent: {exc}") from None
         finally:
             child_end.close()
@@ -177,15 +176,7 @@ class RendezvousAgent:
     async def close(self) -> None:
         """End the agent (its group, its cgroup) and reap it; never raises."""
         self.sock.close()
-        if self.proc.returncode is None:  # not reaped: its pid (and group) is still the agent's
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        with anyio.move_on_after(CLOSE_WAIT):
-            await procs.wait_exit(self.proc)
-        if self.cgroup is not None:
-            await anyio.to_thread.run_sync(end_cgroup, self.cgroup)
+        await helpers.close(AGENTS, self.proc, self.cgroup, CLOSE_WAIT)
         log.info("nodes.agent_stopped", pid=self.pid, exit=self.proc.poll())
 
 
@@ -193,11 +184,3 @@ def _open_log(launch: AgentLaunch) -> int:
     if launch.run_as is None:
         return procs.open_log(launch.state_dir / AGENT_LOG)
     return create_user_file(launch.state_dir, launch.run_as, name=AGENT_LOG)
-
-
-def sweep_agents(jobs: Path) -> None:
-    """Blocking, at the daemon's start: the cgroups of rendezvous agents a killed run left (their
-    agents died with it, PR_SET_PDEATHSIG; anything they started is killed here)."""
-    for path in jobs.glob("*-rdzv"):
-        if path.is_dir():
-            end_cgroup(Cgroup(path))

@@ -1,19 +1,19 @@
 """What the pool holds: a `PoolWorker` (a pooled interpreter, a fork server, or a worker one
-forked), and the pool cgroups' end (`end_cgroup`: whatever an interpreter left in its cgroup) and
-sweep (`sweep_cgroups`: those a killed daemon left behind)."""
+forked), and the kind of helper process its interpreters are (`POOL`: their cgroups' end and the
+sweep of those a killed daemon left behind, `ddpd.daemon.contain.helpers`)."""
 
 from __future__ import annotations
 
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import anyio
 import structlog
 
 from ...protocol.channel import Hello
 from ..contain.cgroups import Cgroup
+from ..contain.helpers import HelperKind
 from .channel import WorkerChannel
 from .poolkeys import PoolKey
 
@@ -48,21 +48,6 @@ class PoolWorker:
         return self.proc.pid
 
 
-CGROUP_WAIT = 5.0  # seconds for a pool worker's cgroup to empty after cgroup.kill
-
-
-def end_cgroup(cgroup: Cgroup) -> None:
-    """Kill whatever a pool worker left in its cgroup (a forked escapee included) and remove it."""
-    try:
-        if cgroup.kill(CGROUP_WAIT):
-            cgroup.remove()
-        else:
-            log.warning("pool.cgroup_busy", cgroup=str(cgroup.path), pids=cgroup.pids())
-    except OSError as exc:
-        log.warning("pool.cgroup_failed", cgroup=str(cgroup.path), error=str(exc))
-
-
-def sweep_cgroups(jobs: Path) -> None:
-    for path in jobs.glob("pool-*"):
-        if path.is_dir():
-            end_cgroup(Cgroup(path))
+# a pool interpreter's cgroup (``pool-<n>``): its end kills whatever the interpreter left in it (a
+# forked escapee included); the sweep ends those a killed daemon left behind
+POOL = HelperKind("pool", prefix="pool-", kill_wait=5.0)

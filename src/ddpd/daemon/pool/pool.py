@@ -74,9 +74,8 @@ from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
 from .forkserver import Spares, fork_from
-from .members import ForkServer, sweep_cgroups
+from .members import POOL, ForkServer
 from .members import PoolWorker as PoolWorker  # (where the attempt imports them from)
-from .members import end_cgroup as end_cgroup
 from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
 from .yielding import can_idle, freeze_cgroup, idle_cgroup, pool_state, set_priority
 
@@ -172,7 +171,7 @@ class WarmPool:
                             idle=True)
                 w.channel.close()
                 if w.cgroup is not None:
-                    end_cgroup(w.cgroup)
+                    POOL.end(w.cgroup)
                 continue
             assert w.hello is not None
             set_priority(w.pid, idle=False)
@@ -190,7 +189,7 @@ class WarmPool:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Keep each key's share ready or starting until cancelled; then kill and reap them all."""
         if self.subtree is not None:  # pool cgroups a killed daemon left behind (whatever the size now)
-            await anyio.to_thread.run_sync(sweep_cgroups, self.subtree.jobs)
+            await anyio.to_thread.run_sync(POOL.sweep, self.subtree.jobs)
         if self.size == 0:
             task_status.started()
             return
@@ -291,7 +290,7 @@ class WarmPool:
             log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
         except OSError as exc:
             if cgroup is not None:
-                await anyio.to_thread.run_sync(end_cgroup, cgroup)
+                await anyio.to_thread.run_sync(POOL.end, cgroup)
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -303,7 +302,7 @@ class WarmPool:
         except OSError as exc:
             parent_end.close()
             if cgroup is not None:
-                await anyio.to_thread.run_sync(end_cgroup, cgroup)
+                await anyio.to_thread.run_sync(POOL.end, cgroup)
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         finally:
@@ -369,7 +368,7 @@ class WarmPool:
                     w.channel.close()
                     if w.cgroup is not None and not w.taken:
                         with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
+                            await anyio.to_thread.run_sync(POOL.end, w.cgroup)
                 if not w.taken:
                     self._wake.set()
 
@@ -394,7 +393,7 @@ class WarmPool:
                 await procs.wait_exit(w.proc)
         for w in left:
             if w.cgroup is not None:
-                await anyio.to_thread.run_sync(end_cgroup, w.cgroup)
+                await anyio.to_thread.run_sync(POOL.end, w.cgroup)
         alive = [w.pid for w in left if w.proc.poll() is None]
         log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
 

@@ -17,7 +17,7 @@ from ...protocol import JobState
 from ...protocol.control import RootCause
 from ..store.journal import Journal
 from ..store.records import Job
-from .notifyhooks import Notifier
+from .notifyhooks import JobHooks
 from .retention import Retention
 from .table import JobTable
 
@@ -25,12 +25,12 @@ log = structlog.get_logger("ddpd")
 
 
 class JobEnds:
-    def __init__(self, journal: Journal, table: JobTable, retention: Retention, notifier: Notifier,
+    def __init__(self, journal: Journal, table: JobTable, retention: Retention, hooks: JobHooks,
                  clock: Callable[[], float] = time.time) -> None:
         self.journal = journal
         self.table = table
         self.retention = retention
-        self.notifier = notifier
+        self.hooks = hooks
         self.clock = clock
 
     async def ended(self, job: Job) -> None:
@@ -45,7 +45,7 @@ class JobEnds:
                 attempts=job.attempt, root_cause=None if rc is None else rc.detail,
                 root_cause_rank=None if rc is None else rc.rank,
             )
-            self.notifier.post(job, "ended")
+            self.hooks.post(job, "ended")
             await self.journal.count_stored(job.id)  # what its record takes: its owner's history bound counts it
         finally:
             job.finished.set()  # after the summary event: a `wait` returns once every event of the job is out

@@ -31,7 +31,7 @@ from .fairshare import FairShare, share_views
 from .gpuhealth import GpuHealth
 from .history import History
 from .jobids import resolve
-from .notifyhooks import Notifier
+from .notifyhooks import JobHooks
 from .recovery import recover_jobs
 from .resources import Resources
 from .retention import Retention
@@ -51,12 +51,12 @@ class Jobs:
         self.table = table = JobTable(journal)  # every unended job and the most recent ended ones
         self.retention = Retention(journal, config.retention, clock)
         self.history = History(config, journal, table, self.retention)
-        self.notifier = Notifier(config, journal, subtree)  # each job's hooks, as its submitter
+        self.hooks = JobHooks(config, journal, subtree)  # each job's hooks, as its submitter
         self.runners = Runners(table)
         self.health = GpuHealth(journal, resources, self.runners, config)
         self.share = FairShare(journal, config.fairshare_half_life)  # each user's recent usage
-        ends = JobEnds(journal, table, self.retention, self.notifier, clock)
-        self.supervision = Supervision(config, journal, pool, subtree, self.health, self.notifier, ends)
+        ends = JobEnds(journal, table, self.retention, self.hooks, clock)
+        self.supervision = Supervision(config, journal, pool, subtree, self.health, self.hooks, ends)
         self.scheduler = Scheduler(self.supervision, resources, table, self.runners, self.share, self.history, clock)
 
     # -- the daemon's side -----------------------------------------------------------------
@@ -80,7 +80,7 @@ class Jobs:
         self.supervision.config = config
         self.history.reconfigure(config)
         self.health.reconfigure(config)
-        self.notifier.reconfigure(config)
+        self.hooks.reconfigure(config)
         self.retention.reconfigure(config.retention)
         self.scheduler.wake()  # a raised limit may let queued jobs start
 
@@ -100,7 +100,7 @@ class Jobs:
             tg.start_soon(self.retention.run, self.history.prune, self.history.retire)
             tg.start_soon(self.health.run)
             tg.start_soon(self.health.watch_idle)
-            tg.start_soon(self.notifier.run)
+            tg.start_soon(self.hooks.run)
             tg.start_soon(self.scheduler.run)
 
     async def shutdown(self, force: bool) -> None:

@@ -33,20 +33,14 @@ points, or the drawing failed).
 
 from __future__ import annotations
 
-import fcntl
-import functools
 import importlib.util
 import itertools
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -55,21 +49,20 @@ import structlog
 
 from ...protocol.spec import reserved_env
 from ..config import Config
-from ..contain.cgroups import Cgroup, CgroupError, Subtree
-from ..contain.identity import SANE_PATH, Identity, UnknownUser, job_environment, popen_kwargs, submitted_environment
+from ..contain.cgroups import Subtree
+from ..contain.helpers import HelperKind, Place, run_bounded, run_contained
+from ..contain.identity import SANE_PATH, Identity, UnknownUser, job_environment, submitted_environment
 from ..contain.procs import Exit
-from ..contain.reaper import spawned
 from ..layout import user_job_dir
 from ..store.journal import Journal
 from ..store.records import Job
 
 log = structlog.get_logger("ddpd")
 
-PREFIX = "notify-"  # the hooks' cgroups under the subtree's jobs
+HOOKS = HelperKind("notify", prefix="notify-", kill_wait=10.0)  # a hook's cgroup: ``notify-<uid>-<n>``
 QUEUED_AT_MOST = 256  # notices waiting for delivery
 AT_ONCE = 4  # hooks running at once, all users together
 RETRY_PAUSE = 1.0  # seconds before the one retry
-CGROUP_KILL_WAIT = 10.0
 ERROR_TAIL = 400  # bytes of a failed hook's stderr kept in its event
 PICTURE = "curve.png"  # the curve picture, in the job's folder
 
@@ -167,95 +160,33 @@ def hooks_of(job: Job, cfg: Config) -> list[Hook]:
     return [h for h in found if h is not None]
 
 
-def _drain(pipe: IO[bytes] | None, keep: int) -> bytes:
-    """The last `keep` bytes of what the hook left in a pipe of its (never waits: a grandchild may
-    hold the pipe open), and the pipe closed."""
-    if pipe is None:
-        return b""
-    fd = pipe.fileno()
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-    try:
-        return os.read(fd, 65536)[-keep:]
-    except BlockingIOError:
-        return b""
-    finally:
-        pipe.close()
-
-
 def http_status(said: bytes) -> int | None:
     """The HTTP status the poster printed (a user's process: anything but 100-599 is none)."""
     text = said.strip()
     return int(text) if text.isdigit() and len(text) == 3 and 100 <= int(text) <= 599 else None
 
 
-def _start(argv: list[str], env: dict[str, str], identity: Identity, place: Callable[[int], None] | None,
-           std: dict[str, Any]) -> subprocess.Popen[bytes]:
-    """The hook's process, registered with the reaper (`reaper.spawned`) as it is forked: through
-    the gate (its launch written after the fork, outside the reaper's lock), or straight as the user."""
-    if place is None:
-        return spawned(lambda: subprocess.Popen(argv, env=env, cwd="/", **std, **popen_kwargs(identity)))
-    from ..contain.gate import spawn_gated  # as interpreter checks do
-
-    return spawn_gated(argv, env, "/", identity if popen_kwargs(identity) else None, place, register=spawned,
-                       what="the notification hook", **std)
-
-
 def run_hook(argv: list[str], env: dict[str, str], identity: Identity, timeout: float,
-             place: Callable[[int], None] | None, *, answer: bool = False) -> HookRun:
+             place: Place | None, *, answer: bool = False) -> HookRun:
     """Run one hook as `identity` for at most `timeout` seconds (blocking): how it ended. `answer`:
     its stdout is a URL hook's HTTP status (else /dev/null).
 
-    Started through `reaper.spawned`: the reaper of inherited children never reaps it, so the exit
-    status is the hook's own (see the module's bug)."""
-    std: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE if answer else subprocess.DEVNULL,
-                           "stderr": subprocess.PIPE, "process_group": 0}
+    A helper process (`helpers.run_bounded`), started through `reaper.spawned`: the reaper of
+    inherited children never reaps it, so the exit status is the hook's own (see the module's bug)."""
     try:
-        proc = _start(argv, env, identity, place, std)
+        ran = run_bounded(argv, env, identity, timeout, place, what="the notification hook",
+                          stdout_keep=STATUS_BYTES if answer else 0, stderr_keep=ERROR_TAIL)
     except OSError as exc:
         return HookRun(f"cannot start it: {exc.strerror or exc}")
-    try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # what it started in its group, and itself past the bound
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    said = _drain(proc.stderr, ERROR_TAIL).decode(errors="replace").strip()
-    status = http_status(_drain(proc.stdout, STATUS_BYTES)) if answer else None
-    if code is None:
+    said = ran.stderr.decode(errors="replace").strip()
+    status = http_status(ran.stdout) if answer else None
+    if ran.returncode is None:
         return HookRun(f"did not finish within {timeout:g} s", http_status=status)
-    ended = Exit.from_returncode(code)
+    ended = Exit.from_returncode(ran.returncode)
     if ended.ok:
         return HookRun(None, ended, status)
-    why = f"exit status {code}" if ended.signal is None else f"killed by {ended.signal}"
+    why = f"exit status {ran.returncode}" if ended.signal is None else f"killed by {ended.signal}"
     return HookRun(why + (f": {said.splitlines()[-1]}" if said else ""), ended, status)
-
-
-def end_cgroup(cgroup: Cgroup) -> None:
-    """Kill what is left in a hook's cgroup and remove it (blocking); a stuck one is logged and kept."""
-    try:
-        if cgroup.kill(CGROUP_KILL_WAIT):
-            cgroup.remove()
-            return
-    except (CgroupError, OSError) as exc:
-        log.warning("notify.cgroup_left", cgroup=str(cgroup.path), error=str(exc))
-        return
-    log.warning("notify.cgroup_left", cgroup=str(cgroup.path), error="still populated after kill")
-
-
-def sweep(jobs: Path) -> None:
-    """End the hook cgroups a killed daemon left under `jobs` (blocking). A folder that cannot be
-    listed (descriptors exhausted, say) is logged: the daemon goes on, and the next start sweeps again."""
-    try:
-        left = [path for path in jobs.glob(f"{PREFIX}*") if path.is_dir()]
-    except OSError as exc:
-        log.warning("notify.sweep_failed", cgroup=str(jobs), error=str(exc))
-        return
-    for path in left:
-        end_cgroup(Cgroup(path))
 
 
 def picture_argv(python: str, socket: Path, job_id: str, path: Path) -> list[str]:
@@ -268,7 +199,7 @@ def can_draw() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-class Notifier:
+class JobHooks:
     """`post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
 
     def __init__(self, config: Config, journal: Journal, subtree: Subtree | None) -> None:
@@ -294,7 +225,7 @@ class Notifier:
 
     async def run(self) -> None:
         if self.subtree is not None:
-            await anyio.to_thread.run_sync(sweep, self.subtree.jobs)
+            await anyio.to_thread.run_sync(HOOKS.sweep, self.subtree.jobs)
         async with anyio.create_task_group() as tg:
             async for job, notice, hooks in self._receive:
                 tg.start_soon(self._deliver_all, job, notice, hooks)
@@ -367,21 +298,9 @@ class Notifier:
 
     async def _once(self, identity: Identity, argv: list[str], env: dict[str, str], answer: bool = False) -> HookRun:
         """One run of a hook (or of the drawing) as the submitter, in a cgroup of its own (where there
-        is a subtree), bounded."""
+        is a subtree), bounded; abandoned on cancel (the cgroup's end kills it)."""
         timeout = self.config.notify_timeout
-        cgroup = None
-        if self.subtree is not None:
-            try:
-                cgroup = await anyio.to_thread.run_sync(Cgroup.create, self.subtree.jobs,
-                                                        f"{PREFIX}{identity.uid}-{next(self._serial)}")
-            except OSError as exc:  # it still runs, in its process group only
-                log.warning("notify.cgroup_unavailable", error=str(exc))
-        try:
-            return await anyio.to_thread.run_sync(
-                functools.partial(run_hook, argv, env, identity, timeout, None if cgroup is None else cgroup.add,
-                                  answer=answer),
-                limiter=self._threads, abandon_on_cancel=True)  # the cgroup's end kills it
-        finally:
-            if cgroup is not None:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(end_cgroup, cgroup)
+        return await run_contained(
+            HOOKS, self.subtree, f"{identity.uid}-{next(self._serial)}",
+            lambda place: run_hook(argv, env, identity, timeout, place, answer=answer),
+            uid=identity.uid, limiter=self._threads, abandon_on_cancel=True)

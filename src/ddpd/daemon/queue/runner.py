@@ -35,7 +35,7 @@ from ..store.journal import Journal
 from ..store.records import Job
 from .commands import Cancel, Command, Ended, GpuFault, Preempt, Requeued, RunEnd, Stop
 from .ends import JobEnds
-from .notifyhooks import Notifier
+from .notifyhooks import JobHooks
 
 log = structlog.get_logger("ddpd")
 
@@ -58,7 +58,7 @@ class Supervision:
     pool: WarmPool | None
     subtree: Subtree | None
     quarantine: Quarantine
-    notifier: Notifier
+    hooks: JobHooks
     ends: JobEnds
 
 
@@ -181,7 +181,7 @@ class JobRunner:
                     return Requeued(outcome.reason)
                 case JobState.RESTARTING:
                     await journal.job_state(job, new, outcome.reason, finish=False, root_cause=_rc(outcome))
-                    self.sup.notifier.post(job, "restarting")
+                    self.sup.hooks.post(job, "restarting")
                     if self.sup.quarantine.must_move(job.gpus):  # placed again, elsewhere
                         await journal.job_state(job, JobState.QUEUED, "gpu_quarantined")
                         return Requeued("gpu_quarantined")
@@ -230,7 +230,7 @@ class JobRunner:
         new = lifecycle.after_preemption(job.state)
         if new is not None:
             await journal.job_state(job, new, "preempted", by=by, step=step)
-        self.sup.notifier.post(job, "preempted")
+        self.sup.hooks.post(job, "preempted")
         return Requeued("preempted")
 
 
