@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from ddpd.daemon.config import Config
-from ddpd.daemon.layout import job_dir
+from ddpd.daemon.layout import legacy_job_dir
 from ddpd.daemon.queue.facade import Jobs
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.store.bus import EventBus
@@ -43,8 +43,8 @@ async def setup(tmp_path: Path) -> AsyncIterator[tuple[Jobs, Clock]]:
 
 async def ended_job(sched: Jobs) -> str:
     job = (await sched.submit(SPEC, 1000, "key")).job
-    job_dir(sched.config.state_dir, job.id).mkdir(parents=True)
-    (job_dir(sched.config.state_dir, job.id) / "rank-0.log").write_text("log")
+    legacy_job_dir(sched.config.state_dir, job.id).mkdir(parents=True)
+    (legacy_job_dir(sched.config.state_dir, job.id) / "rank-0.log").write_text("log")
     await sched.cancel(job, "test", force=False)
     return job.id
 
@@ -65,7 +65,7 @@ async def test_expired_job_is_pruned_with_its_files(setup: tuple[Jobs, Clock]) -
                     break
         tg.cancel_scope.cancel()
     assert event.data["pruned"] == job_id
-    assert job_id not in sched.table.jobs and not job_dir(sched.config.state_dir, job_id).exists()
+    assert job_id not in sched.table.jobs and not legacy_job_dir(sched.config.state_dir, job_id).exists()
     assert [j.id for j in await sched.journal.load_jobs()] == [kept.id] and kept.id in sched.table.jobs
     assert await sched.journal.list_events(job_id, 0, 100) == []
     done = await sched.submit(SPEC, 1000, "key")  # the key went with the job
@@ -83,5 +83,5 @@ async def test_rm_by_owner_or_root_only_of_ended_jobs(setup: tuple[Jobs, Clock])
     with pytest.raises(ForbiddenError, match="uid 1000"):
         await sched.remove(job, 1001)
     await sched.remove(job, 0)
-    assert job_id not in sched.table.jobs and not job_dir(sched.config.state_dir, job_id).exists()
+    assert job_id not in sched.table.jobs and not legacy_job_dir(sched.config.state_dir, job_id).exists()
     assert job.state is JobState.CANCELLED

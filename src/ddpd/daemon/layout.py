@@ -8,7 +8,7 @@
         attempt-<n>/rank-<r>.err                        its stderr: tracebacks, faulthandler's stacks
         attempt-<n>/rank-<r>-error.json                 a script rank's error file (torchrun's)
         checkpoints/                                    the job's checkpoints
-    <state_dir>/jobs/<job>/attempt-<n>/rank-<r>.log     where jobs of older daemons logged
+    <state_dir>/jobs/<job>/attempt-<n>/rank-<r>.log     where jobs of older daemons logged (legacy_*)
 
 Names and paths only: nothing here opens a file. What creates and opens them in a user's tree
 (without following links, as that user) is `contain.usertree`'s.
@@ -52,18 +52,18 @@ def checkpoint_dir(state_dir: str | Path, uid: int, job_id: str) -> Path:
     return user_job_dir(state_dir, uid, job_id) / CHECKPOINTS_DIR
 
 
-def job_dir(state_dir: str | Path, job_id: str) -> Path:
+def legacy_job_dir(state_dir: str | Path, job_id: str) -> Path:
     """Where jobs kept their files before the per-user tree (rows recovered from older daemons)."""
     return Path(state_dir, JOBS_DIR, job_id)
 
 
-def attempt_dir(state_dir: str | Path, job_id: str, attempt: int) -> Path:
-    return job_dir(state_dir, job_id) / attempt_name(attempt)
+def legacy_attempt_dir(state_dir: str | Path, job_id: str, attempt: int) -> Path:
+    return legacy_job_dir(state_dir, job_id) / attempt_name(attempt)
 
 
-def rank_log(state_dir: str | Path, job_id: str, attempt: int, rank: int) -> Path:
+def legacy_rank_log(state_dir: str | Path, job_id: str, attempt: int, rank: int) -> Path:
     """Where a rank's stdout and stderr went before the per-user tree."""
-    return attempt_dir(state_dir, job_id, attempt) / rank_log_name(rank)
+    return legacy_attempt_dir(state_dir, job_id, attempt) / rank_log_name(rank)
 
 
 def rank_log_name(rank: int) -> str:

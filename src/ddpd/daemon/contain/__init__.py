@@ -1,5 +1,6 @@
-"""The OS side of containment: processes, cgroups, identities, the user's tree, safe file access,
-port fences and the reaping of inherited children.
+"""The OS side of containment: processes, cgroups, identities, helper processes (their cgroups,
+bounded runs and ends, `helpers`), the user's tree, safe file access, port fences and the reaping of
+inherited children.
 
 Knows no attempt, job or request.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ...protocol.control import Events, EventView, LogChunk, Logs
 from ..contain.usertree import reader_for
-from ..layout import rank_log, rank_log_name, user_attempt_dir
+from ..layout import legacy_rank_log, rank_log_name, user_attempt_dir
 from ..ranklogs.logread import RanksOf, log_chunks_of
 from ..store.journal import Journal
 from ..store.records import Job
@@ -24,7 +24,7 @@ EVENT_BATCH = 500
 
 def log_path(state_dir: Path, job: Job, attempt: int, rank: int) -> Path:
     """Where rank `rank` of `attempt` logged: its owner's tree, or (jobs from before it) the old place."""
-    legacy = rank_log(state_dir, job.id, attempt, rank)
+    legacy = legacy_rank_log(state_dir, job.id, attempt, rank)
     if legacy.parent.is_dir():  # the daemon's own directory: no job can plant anything there
         return legacy
     return user_attempt_dir(state_dir, job.owner_uid, job.id, attempt) / rank_log_name(rank)

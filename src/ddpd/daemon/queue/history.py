@@ -19,7 +19,7 @@ from ...protocol import JobSpec
 from ...protocol.spec import dependency_ids
 from ..config import Config
 from ..contain.usertree import remove_job_dir
-from ..layout import job_dir
+from ..layout import legacy_job_dir
 from ..run import lifecycle
 from ..store.errors import NotRunnableError
 from ..store.journal import Journal
@@ -66,7 +66,7 @@ class History:
         Whether its rows were there (False: removed meanwhile by another path)."""
         gone = await self.journal.delete_job(job.id)
         self.table.forget(job, deleted=gone)
-        path = job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
+        path = legacy_job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
         try:
             await anyio.to_thread.run_sync(remove_job_dir, self.config.state_dir, job.owner_uid, job.id)
