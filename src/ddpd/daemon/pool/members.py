@@ -9,15 +9,12 @@ import time
 from dataclasses import dataclass, field
 
 import anyio
-import structlog
 
 from ...protocol.channel import Hello
 from ..contain.cgroups import Cgroup
 from ..contain.helpers import HelperKind
 from .channel import WorkerChannel
 from .poolkeys import PoolKey
-
-log = structlog.get_logger("ddpd")
 
 
 class ForkServer:

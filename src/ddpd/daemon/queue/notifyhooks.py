@@ -8,7 +8,8 @@ POSTs the same facts as JSON (so a URL reaches only what its submitter could rea
 fences let root through, never this). Where the daemon has a cgroup subtree, each run is in a
 cgroup of its own (``notify-<uid>-<n>``), entered before the user's code runs (the gate) and
 killed and removed afterwards, so nothing it started outlives it; a killed daemon's are swept at
-the next start.
+the next start. A hook is a helper process (`HOOKS`, run as `ddpd.daemon.contain.helpers` runs
+them all).
 
 Never blocking the daemon: the scheduler only `post`s a notice (a bounded queue; a full one drops
 it, journalled); `run` delivers them in tasks of its own, at most `AT_ONCE` at a time, each run
@@ -200,7 +201,7 @@ def can_draw() -> bool:
 
 
 class JobHooks:
-    """`post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
+    """A job's hooks: `post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
 
     def __init__(self, config: Config, journal: Journal, subtree: Subtree | None) -> None:
         self.config = config  # the current one (`reconfigure`)
