@@ -45,7 +45,7 @@ class Gang(Protocol):
         ...
 
     async def signal(self, signum: signal.Signals, grace: float) -> None:
-        """Signal the attempt's process group (and any rank not yet in it)."""
+        """Signal every rank's process group (each rank leads its own; a rank not yet started is skipped)."""
         ...
 
     async def wait_exited(self, deadline: float) -> bool:
