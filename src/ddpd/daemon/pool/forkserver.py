@@ -176,6 +176,7 @@ class Spares:
             w.taken = True
             w.scope.cancel()  # its watcher lets go of it
             if w.proc.poll() is None:
+                log.info("pool.worker_taken", pid=w.pid, ready=len(ready), uid=key.uid, spare=True)
                 return w
         return None
 

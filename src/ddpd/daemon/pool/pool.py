@@ -16,37 +16,34 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   (as every rank does, and keeps when taken), so an idle one is never hit by an attempt's signals. Its
   stdout/stderr go to ``pool.log`` (the daemon's, or the user's in their tree) until it is
   assigned; then it appends them to its rank log (``Assign.log_path``).
-- **Readiness**: the worker's Hello (its CONNECTED) is read here; then the worker is ready and
-  the pool watches only its pidfd. A pool worker sends nothing between Hello and Assign, so the
-  channel is handed over with nothing unread.
+- **Readiness**: the worker's Hello (its CONNECTED) is read here; then it is ready and the pool
+  watches only its pidfd (it sends nothing before Assign: the channel is handed over unread).
 - **Death while idle**: the pidfd wakes the watcher; the worker is reaped, its cgroup killed and
   removed, logged (``pool.worker_died``) and replaced. A key whose workers die before their
   Hello backs off exponentially (1 s doubling to 60 s), so a broken interpreter cannot spawn in a
   loop; other keys are not held up.
 - **take(key)**: hands out a ready worker of that key only and stops watching it; the attempt
   owns it from then on (it moves the worker's cgroup into the attempt's): one rank of one job,
-  never returned. None when none is ready (the rank starts cold). Every take wakes the refill,
-  which spawns in the background (a task of the pool, not of the attempt). No polling: only
-  pidfds, sockets, events and the next expiry's deadline.
-- **Priority**: a refill never slows a running job. Refills start only onto cores no running job's
-  ranks hold (so a job that holds every core is never shared with an `import torch`: measured,
-  a refill at SCHED_IDLE beside a latency-bound job still cost it a fifth of its steps/s). Where
-  the daemon may set a thread's policy both ways (`can_idle`: a root daemon), a refill that is
-  under way when a job starts goes to SCHED_IDLE (every thread: the daemon sets it; threads
-  started later inherit it) while jobs hold cores, and back to normal priority the moment no job
-  runs (each job's start and end wake the pool, which switches them). A pool cgroup with the cpu
-  controller also gets ``cpu.idle`` 1 while jobs run. Where pool workers have cgroups, a refill
-  under way beyond the cores the running jobs' ranks leave free is held: its cgroup frozen
-  (``cgroup.freeze``) until a core is free again (a job ends), so a job that starts while the
-  pool refills behind the one before it shares no core with an ``import torch`` (measured: a
-  refill at SCHED_IDLE still cost back-to-back jobs several percent of their steps/s). `take` gives
-  every thread normal priority back before the attempt assigns it. `state` says which (``ddpctl
-  daemon``).
+  never returned. None when none is ready (the rank starts cold). A job's `use` claims its ranks
+  until its takes: a start that lowers its key's want never has the refill loop retire the ready
+  interpreters it is about to take (it did: a 1-rank job after a 2-rank one started cold). Every
+  take wakes the refill, which spawns in the background. No polling: only pidfds, sockets,
+  events and the next expiry's deadline.
+- **Priority** (`yielding`; the interpreters' refills import torch, a fork server's are forks): a
+  refill never slows a running job. Refills start only onto cores no running job's ranks hold (a
+  refill at SCHED_IDLE beside a latency-bound job still cost it a fifth of its steps/s). Where the
+  daemon may set a thread's policy both ways (`can_idle`: a root daemon), a refill under way when a
+  job starts goes to SCHED_IDLE (every thread; later ones inherit it) while jobs hold cores, and
+  back to normal priority the moment none runs (each job's start and end wake the pool); a pool
+  cgroup with the cpu controller gets ``cpu.idle`` 1 meanwhile. Where pool workers have cgroups, a
+  refill under way beyond the cores the running jobs' ranks leave free is held, its cgroup frozen
+  (``cgroup.freeze``), until a core is free again (a refill at SCHED_IDLE still cost back-to-back
+  jobs several percent of their steps/s). `take` gives every thread normal priority back before
+  the attempt assigns it. `state` says which (``ddpctl daemon``).
 - **Fork servers** (``pool_fork_server``, `forkserver`): one interpreter per key (``pool_size``
   counts them, the plan's bounds apply) forks workers; `take` hands out a spare it forked ahead
   (`Spares`: as many as the key's last job had ranks) or has it fork one (milliseconds).
-- **Shutdown**: every pool worker left is SIGKILLed (with its group and cgroup) and reaped, and
-  its channel closed (which alone would make an idle worker exit too).
+- **Shutdown**: every pool worker left is SIGKILLed (group, cgroup), reaped, its channel closed.
 """
 
 from __future__ import annotations
@@ -104,6 +101,7 @@ class WarmPool:
         self._wake = anyio.Event()
         self._failures: dict[PoolKey, int] = {}  # consecutive deaths before hello, per key
         self._retry_at: dict[PoolKey, float] = {}
+        self._claims: dict[PoolKey, int] = {}  # ranks a starting job will take, per key: no surplus to retire
         self._closing = False
         self._cores = len(os.sched_getaffinity(0))
         self._names = itertools.count()
@@ -148,6 +146,7 @@ class WarmPool:
             self._wake.set()
             return
         self._demand[shape.key] = Demand(shape, ranks, time.monotonic())
+        self._claims[shape.key] = 0 if self.fork else ranks  # (its takes come after the want changed)
         if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
             del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
         self._wake.set()
@@ -159,6 +158,7 @@ class WarmPool:
         if self.fork:
             self._wake.set()  # the key's spares are forked again in the background
             return self.spares.take(key) or await self._fork(key)
+        self._claims[key] = max(0, self._claims.get(key, 0) - 1)
         ready = self._ready.get(key)
         while ready:
             w = ready.popleft()
@@ -197,7 +197,7 @@ class WarmPool:
             async with anyio.create_task_group() as tg:
                 task_status.started()
                 log.info("pool.started", size=self.size, per_key=self.per_key, idle_expiry=self.idle_expiry,
-                         log=str(self.log_path))
+                         log=str(self.log_path), fork_server=self.fork)
                 while True:
                     await self._fill(tg)
                     if self.fork and not self._closing:
@@ -246,12 +246,13 @@ class WarmPool:
         for key in todo.forget:
             del self._demand[key]
             self._failures.pop(key, None)
+            self._claims.pop(key, None)
             log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
         # backoffs still running, of keys still wanted (a past one must not wake the loop again)
         self._retry_at = {k: t for k, t in self._retry_at.items() if t > now and k in self._demand}
         for key, n in todo.retire.items():
             ready = self._ready.get(key, deque())
-            for _ in range(min(n, len(ready))):
+            for _ in range(min(n, len(ready) - self._claims.get(key, 0))):  # a job's start lowered the want
                 w = ready.popleft()  # the oldest first
                 w.retired = True
                 log.info("pool.worker_retired", pid=w.pid, uid=key.uid)
@@ -352,7 +353,7 @@ class WarmPool:
                 self._ready.setdefault(w.key, deque()).append(w)
                 self._wake.set()  # its core is free again: the next one may start
                 log.info("pool.worker_ready", pid=w.pid, seconds=round(time.monotonic() - w.spawned_at, 3),
-                         ready=len(self._ready[w.key]), uid=w.key.uid, size=self.size)
+                         ready=len(self._ready[w.key]), uid=w.key.uid, size=self.size, server=w.server is not None)
                 exit_ = await procs.wait_exit(w.proc)
                 if not (self._closing or w.retired):
                     log.warning("pool.worker_died", pid=w.pid, exit=str(exit_), idle=True)
