@@ -2,8 +2,9 @@
 and how many steps were lost, for three ways of surviving it (alternating, one job each per repetition):
 
   - ``ddpd (hot)``: the mlp task (width 512) with its default hot replacement, on a daemon with the
-    default warm pool (4: a 2-rank job leaves two spare interpreters). Until every rank has reported
-    a step after the one the group resumed at (``rank.replaced``, then ``rank.progress``).
+    default warm pool (a fork server: the job's 2 ranks forked ahead, the replacement forked at once;
+    with ``pool_fork_server = false``, 4 interpreters: a 2-rank job leaves two spare ones). Until
+    every rank has reported a step after the one the group resumed at (``rank.replaced``, then ``rank.progress``).
   - ``ddpd (restart)``: the same job with ``hot_replace=0``, ``max_restarts=1`` and a checkpoint every
     CHECKPOINT_EVERY steps: the attempt fails, the next one resumes from the checkpoint. Until every
     rank of attempt 2 has reported a step.
@@ -19,6 +20,7 @@ minus the step training resumed from (the step in flight, redone, is not a lost 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -47,15 +49,18 @@ def progress_of(rank: int, attempt: int, after: int) -> Callable[[EventView], bo
                       and int(e.data.get("step", 0)) > after)
 
 
-async def pool_ready(d: Daemon, n: int) -> None:
-    """The pool holds `n` ready interpreters again (the last repetition's refill is done)."""
+async def pool_ready(d: Daemon, n: int, ranks: int = 2) -> None:
+    """The pool can give the job's ranks and a replacement without a cold start again (the last
+    repetition's refill is done): a ready fork server with the last job's `ranks` forked ahead (the
+    default), or `n` ready interpreters (``pool_fork_server = false``)."""
     with anyio.move_on_after(240):
         while True:  # the daemon says nothing when its pool fills: asked five times a second
             info = await d.client.daemon_info()
-            if (info.pool_ready or 0) >= n:
+            forked = re.match(r"warm \(\d+ fork servers? ready, (\d+) forked", info.pool_state or "")
+            if (int(forked.group(1)) >= ranks) if forked else (info.pool_ready or 0) >= n:
                 return
             await anyio.sleep(0.2)
-    raise BenchError(f"the warm pool did not hold {n} interpreters within 240 s: {info.pool_state}")
+    raise BenchError(f"the warm pool could not give {n} ranks within 240 s: {info.pool_state}")
 
 
 async def killed_at(marker: Path) -> float:

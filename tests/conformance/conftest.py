@@ -1,6 +1,7 @@
 """Fixtures of the conformance tier: per test module, two real daemons in the default configuration,
-one with its warm pool (as shipped) and one with none (every rank cold), shared by the module's tests;
-afterwards both are stopped and nothing of any job, and no pool interpreter, is left."""
+one with its warm pool as shipped (a fork server per key: its ranks are forked) and one with none
+(every rank cold), shared by the module's tests; afterwards both are stopped and nothing of any job,
+and no pool process (server, spare, interpreter), is left."""
 
 from __future__ import annotations
 
@@ -44,6 +45,6 @@ async def daemons(module_tmp: Path) -> AsyncIterator[Daemons]:
             running_daemon(module_tmp / "c") as cold:
         yield Daemons(pooled=pooled, cold=cold)
     seen = pool_pids_seen(pooled)
-    assert seen, "the pooled daemon never started a pool interpreter"
+    assert seen, "the pooled daemon never started a pool process"
     for pid in seen:
         assert_gone(pid)

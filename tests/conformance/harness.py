@@ -7,8 +7,9 @@ What is compared: the exit status (torchrun's against ddpctl's, 0 or 1 both, and
 cause: rank, exit code, error), the `RESULT ...` lines the ranks print, the bytes of every file the
 script wrote under `out/` (modes too where a test asks), and what was left: no process of a launch
 may outlive it (those carrying its mark in their environment; a job's ranks and process groups), and
-ddpd must not have had to kill any (`job.leftover_killed`). The pooled launch waits for two ready pool
-interpreters and its ranks must have been those. Every wait is bounded; a launch that overruns is
+ddpd must not have had to kill any (`job.leftover_killed`). The pooled launch waits until the pool can give
+its two ranks without a cold start (a ready fork server, the default; or two ready interpreters)
+and its ranks must all have been pooled. Every wait is bounded; a launch that overruns is
 killed (its whole session) and fails the test.
 """
 
@@ -36,7 +37,7 @@ from ddpd.protocol import JobState
 from ddpd.protocol.control import JobView
 
 from ..conftest import DaemonProc, assert_nothing_left, describe, processes_with_env
-from ..integration.test_pool import pool_full
+from ..integration.test_pool import pool_can_give
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BIN = Path(sys.executable).parent
@@ -224,7 +225,7 @@ async def run_ddpd(d: DaemonProc, launcher: str, script: str, args: list[str], r
     """`ddpctl submit --nproc 2 --follow -- SCRIPT ARGS` from a shell in `rundir` (its working directory,
     environment and umask are the job's), then what the daemon says of the job."""
     if launcher == "pooled":
-        await pool_full(d)  # the ranks are pooled interpreters, not cold ones started because none was ready
+        await pool_can_give(d, NPROC)  # the ranks are pooled, not cold ones started because none was ready
     run_id = uuid.uuid4().hex
     argv = [DDPCTL, "--socket", str(d.socket), "submit", "--nproc", str(NPROC), "--follow", "--",
             str(SCRIPTS / script), *args]
@@ -292,7 +293,7 @@ def differences(ref: Outcome, got: Outcome, modes: bool = False) -> list[str]:
     if got.leftovers:
         diffs.append(f"leftovers: {got.leftovers}")
     if got.launcher == "pooled" and got.pooled != [True] * NPROC:
-        diffs.append(f"the ranks were not all pooled interpreters: {got.pooled}")
+        diffs.append(f"the ranks were not all pooled: {got.pooled}")
     return diffs
 
 

@@ -1,4 +1,7 @@
-"""A pooled rank honours the CUDA_VISIBLE_DEVICES of its assignment (it started before knowing it)."""
+"""A pooled rank honours the CUDA_VISIBLE_DEVICES of its assignment (it started before knowing it).
+
+The interpreter pool's (``pool_fork_server = false``: the rank is the very interpreter that was
+ready); forked ranks on CUDA are test_forkserver.py's."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture
 async def gpu_pool_daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
-    async with running_daemon(short_tmp, "--pool-size", "2", "--cpu-slots", "4") as d:
+    config = short_tmp / "ddpd.toml"
+    config.write_text("pool_fork_server = false\n")
+    async with running_daemon(short_tmp, "--config", str(config), "--pool-size", "2", "--cpu-slots", "4") as d:
         yield d
 
 

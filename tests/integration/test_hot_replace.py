@@ -17,7 +17,7 @@ from ddpd.protocol import JobState
 from ddpd.protocol.control import EventView, JobView
 
 from ..conftest import DaemonProc, assert_gone, running_daemon
-from .test_pool import REFILL_TIMEOUT, ready
+from .test_pool import pool_can_give
 
 pytestmark = pytest.mark.anyio
 
@@ -35,8 +35,9 @@ async def pooled(short_tmp: Path) -> AsyncIterator[DaemonProc]:
 
 
 async def pool_holds(d: DaemonProc, n: int) -> None:
-    """Wait until the pool holds `n` ready interpreters (a job's ranks, and spares for replacements)."""
-    await d.wait_log(lambda _: len(ready(d)) >= n, REFILL_TIMEOUT)
+    """Wait until the pool can give `n` ranks without a cold start (a job's ranks, and spares for
+    replacements): `n` ready interpreters, or a ready fork server (the default)."""
+    await pool_can_give(d, n)
 
 
 async def events_of(d: DaemonProc, job_id: str) -> list[EventView]:

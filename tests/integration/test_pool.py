@@ -1,7 +1,11 @@
-"""The warm pool against a real daemon (``--pool-size 2``) and real torch.
+"""The interpreter pool (``pool_fork_server = false``) against a real daemon (``--pool-size 2``) and
+real torch: its own mechanics (the ranks are the interpreters that were ready, the pool refills with
+new ones), so these daemons name that mode; the fork server, the default, is test_forkserver.py's.
 
 Pool workers are identified by the daemon's log events (``pool.worker_ready`` / ``_taken`` /
-``_spawned``); every wait is on a log line or a job event, bounded with ``fail_after``.
+``_spawned``; with fork servers ``pool.forked``); every wait is on a log line or a job event,
+bounded with ``fail_after``. `ready`, `can_give` and `pool_can_give` hold in both modes: the other
+tiers wait with them for a pool that gives a job's ranks without a cold start.
 """
 
 from __future__ import annotations
@@ -33,13 +37,43 @@ def _pids(d: DaemonProc, event: str) -> set[int]:
     return {int(e["pid"]) for e in d.logs if e.get("event") == event and "pid" in e}
 
 
+def _ready_pids(d: DaemonProc, server: bool) -> set[int]:
+    return {int(e["pid"]) for e in d.logs
+            if e.get("event") == "pool.worker_ready" and "pid" in e and bool(e.get("server")) == server}
+
+
+def forking(d: DaemonProc) -> bool:
+    """Whether the daemon's pool forks its ranks from fork servers (``pool_fork_server``, the default)."""
+    return any(e.get("event") == "pool.started" and e.get("fork_server") for e in d.logs)
+
+
+def servers_ready(d: DaemonProc) -> set[int]:
+    """Fork servers ready now: said hello, neither retired nor dead."""
+    return _ready_pids(d, server=True) - _pids(d, "pool.worker_retired") - _pids(d, "pool.worker_died")
+
+
 def ready(d: DaemonProc) -> set[int]:
-    """Pool workers ready now: said hello, neither taken nor dead."""
-    return _pids(d, "pool.worker_ready") - _pids(d, "pool.worker_taken") - _pids(d, "pool.worker_died")
+    """Pool workers that could be ranks now: interpreters that said hello, or with fork servers the
+    spares forked ahead; neither taken nor dead."""
+    spares = {int(e["pid"]) for e in d.logs if e.get("event") == "pool.forked" and e.get("spare")}
+    gone = _pids(d, "pool.worker_taken") | _pids(d, "pool.worker_died") | _pids(d, "pool.spare_ended")
+    return (_ready_pids(d, server=False) | spares) - gone
+
+
+def can_give(d: DaemonProc, n: int) -> bool:
+    """Whether the pool can give `n` ranks now without a cold start: `n` ready interpreters, or with
+    fork servers a ready server (it forks any number of ranks in milliseconds, beside its spares)."""
+    return bool(servers_ready(d)) if forking(d) else len(ready(d)) >= n
+
+
+async def pool_can_give(d: DaemonProc, n: int) -> None:
+    """Wait (on the daemon's log) until `can_give(d, n)`."""
+    await d.wait_log(lambda _: can_give(d, n), REFILL_TIMEOUT)
 
 
 def pool_pids_seen(d: DaemonProc) -> set[int]:
-    pids = _pids(d, "pool.worker_spawned") | _pids(d, "pool.worker_ready")
+    """Every pool process the daemon's log names: interpreters, fork servers and the workers they forked."""
+    pids = _pids(d, "pool.worker_spawned") | _pids(d, "pool.worker_ready") | _pids(d, "pool.forked")
     for e in d.logs:
         if e.get("event") == "pool.stopped":
             pids |= set(e.get("killed", []))
@@ -59,8 +93,10 @@ async def _events(d: DaemonProc, job_id: str) -> list[EventView]:
 
 @pytest.fixture
 async def pool_daemon(short_tmp: Path) -> AsyncIterator[DaemonProc]:
-    """A daemon with a warm pool; afterwards nothing of any job, and no pool worker, is left."""
-    async with running_daemon(short_tmp, "--pool-size", str(POOL), "--cpu-slots", "4") as d:
+    """A daemon with an interpreter pool; afterwards nothing of any job, and no pool worker, is left."""
+    config = short_tmp / "ddpd.toml"
+    config.write_text("pool_fork_server = false\n")
+    async with running_daemon(short_tmp, "--config", str(config), "--pool-size", str(POOL), "--cpu-slots", "4") as d:
         yield d
     seen = pool_pids_seen(d)
     assert seen, "no pool worker was ever started"

@@ -6,6 +6,9 @@ The daemon runs under ``taskset -c 0`` (one core, whatever the machine has). Its
 interpreter. Job A takes it; while A runs no refill starts (the core is A's); when A ends one does,
 and it waits at the gate. Job B then starts (cold: the pool is empty) and holds the core: the
 refill is frozen (``cgroup.events`` says so); when B ends it is thawed, passes the gate, and is ready.
+
+Refills that import torch, and so their yielding, are the interpreter pool's own: the daemon runs
+with ``pool_fork_server = false`` (a fork server's refills are forks of milliseconds).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ async def test_a_refill_is_held_while_a_job_holds_the_last_core_and_released_aft
     script = gate_script(base)
     config = base / "ddpd.toml"
     config.write_text(f'worker_command = ["{BASH}", "{script}", "--protocol", "{PROTOCOL_VERSION}"]\n'
-                      "pool_size = 1\n")
+                      "pool_size = 1\npool_fork_server = false\n")
     async with running_daemon(base, "--config", str(config), "--cpu-slots", "1", "--pool-size", "1",
                               prefix=("taskset", "-c", "0")) as d:
         ready = await d.wait_log(lambda e: e.get("event") == "pool.worker_ready", WAIT)

@@ -5,12 +5,14 @@ back, as people submit them.
   torchrun scripts of every common shape (the smallest module-level DDP loop, objects left alive at
   exit, ``sys.exit(0)`` mid-script, no ``destroy_process_group``, DataLoader worker processes left
   running, a process group destroyed and made again, functions with locals) and built-in tasks.
-  Back to back on 2 cores most of them start cold: a refill waits for the cores the running job
-  holds, and while the two users' keys are live root's even share of the 4 interpreters is one
-  (docs/pool.md). So the last round of shapes, under the second daemon (root's key alone), waits
-  for a settled pool (`warm (N ready)`, N the key's want: two jobs' worth of the last job's ranks)
-  before each submit, and each of those jobs must start wholly pooled (a one-rank job after a two-rank one
-  while the pool refills starts cold: tests/integration/test_pool_shapes.py);
+  The pool is the default's, a fork server per key: back to back, a job's ranks are its key's
+  spares or forked at once by its server (with ``pool_fork_server = false``, whole interpreters,
+  most of them start cold on 2 cores: a refill waits for the cores the running job holds, and while
+  the two users' keys are live root's even share of the 4 interpreters is one; docs/pool.md). The
+  last round of shapes, under the second daemon (root's key alone), waits for a settled pool before
+  each submit (root's server ready with the last job's ranks forked ahead; with interpreters,
+  `warm (N ready)`, N two jobs' worth of the last job's ranks), and each of those jobs must start
+  wholly pooled;
 - meanwhile two users (useradd) submit at once, each their own jobs;
 - a crash (rank 1 exits 3), a cancel of a running job, and a daemon restart while a job runs (it is
   requeued and succeeds under the next daemon).
@@ -26,6 +28,7 @@ fails the soak; pooled scripts also hung at exit there, about one run in ten to 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -106,13 +109,16 @@ async def log_text(d: DaemonProc, job_id: str) -> str:
         return "".join([chunk.text async for chunk in chunks])
 
 
-async def pool_settled(d: DaemonProc, ready: int) -> None:
-    """The daemon's pool says `warm (READY ready)`: root's key (alone live) holds its want ready and
-    nothing refills, a state only the daemon's view shows (no event), looked at every 50 ms within
-    JOB_WAIT."""
+async def pool_settled(d: DaemonProc, ranks: int) -> None:
+    """Root's key (alone live) holds its want ready and nothing starts: the daemon's pool says
+    `warm (1 fork server ready, RANKS forked, ...)` (the last job's ranks forked ahead), or with
+    interpreters `warm (N ready)` (N: two jobs' worth of the last job's ranks, at most POOL); a
+    state only the daemon's view shows (no event), looked at every 50 ms within JOB_WAIT."""
+    forked = re.compile(rf"warm \(1 fork server ready, {ranks} forked, \d+ forks served\)")
     with anyio.fail_after(JOB_WAIT):
         while True:
-            if (await d.client.daemon_info()).pool_state == f"warm ({ready} ready)":
+            said = (await d.client.daemon_info()).pool_state or ""
+            if forked.fullmatch(said) or said == f"warm ({min(POOL, 2 * ranks)} ready)":
                 return
             await anyio.sleep(0.05)
 
@@ -123,8 +129,8 @@ async def back_to_back(d: DaemonProc, n: int, start: int, expected: dict[str, st
     has settled too, its id added to `warm`."""
     for i in range(start, start + n):
         label, fields = SHAPES[i % len(SHAPES)]
-        if warm is not None:  # the key wants two jobs' worth of its last job's ranks (docs/pool.md)
-            await pool_settled(d, min(POOL, 2 * SHAPES[(i - 1) % len(SHAPES)][1]["nproc"]))
+        if warm is not None:  # the key's want follows its last job's ranks (docs/pool.md)
+            await pool_settled(d, SHAPES[(i - 1) % len(SHAPES)][1]["nproc"])
         job_id = await d.client.submit(d.spec(**fields))
         expected[job_id], labels[job_id] = JobState.SUCCEEDED, label
         if warm is not None:

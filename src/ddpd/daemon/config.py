@@ -80,8 +80,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpus: Annotated[Annotated[int, msgspec.Meta(ge=0, le=1024)] | None, RESTART] = None  # None: ask at start
     pool_size: PoolCount = 4  # warm interpreters in all (0: none); see docs/pool.md for the memory each holds
     pool_per_key: PoolCount = 4  # per (user, interpreter, start-up environment): 2 jobs' worth of a 2-rank job
-    # one fork server per key that forks every pooled rank, instead of whole interpreters (docs/pool.md)
-    pool_fork_server: Annotated[bool, RESTART] = False
+    # one fork server per key forks every pooled rank; false: whole warm interpreters (docs/pool.md)
+    pool_fork_server: Annotated[bool, RESTART] = True
     # seconds a key stays warm after its last job started
     pool_idle_expiry: Annotated[float, msgspec.Meta(gt=0, le=30 * DAY), RESTART] = 600.0
     # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
