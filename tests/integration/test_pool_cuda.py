@@ -5,8 +5,9 @@ through ``torch.cuda.is_available``/``device_count``, or a context through ``_la
 pooled interpreter learns its GPUs only from the assignment, so any such call during its start
 (``import torch`` and the DDP pre-imports) would pin it to the daemon's view of the GPUs.
 
-One real pooled interpreter (``ddpd.worker.bootstrap.main --pool``, the code path the pool runs)
-starts under a shim that wraps every CUDA entry point right after ``import torch``, before the
+One real pooled interpreter (``ddpd.worker.bootstrap.main --pool``, the interpreter pool's code
+path; and a fork server, ``--fork-server``, the default pool's, whose ranks are its forks) starts
+under a shim that wraps every CUDA entry point right after ``import torch``, before the
 pre-imports, and writes each call with its stack to a record file. The test waits for its hello,
 reads the record, and fails on any call. Works on a CPU-only torch too: the wrappers see the call
 whether or not CUDA is compiled in.
@@ -73,12 +74,19 @@ def send_checked(self, message):
     return send(self, message)
 runtime.Runtime.send = send_checked
 
+send_frame = runtime.Channel.send  # a fork server says hello on its channel itself
+def send_frame_checked(self, message, *args, **kwargs):
+    if type(message).__name__ == "Hello":
+        record.write(f"HELLO initialized={torch.cuda.is_initialized()}\\n")
+    return send_frame(self, message, *args, **kwargs)
+runtime.Channel.send = send_frame_checked
+
 from ddpd.worker.bootstrap import main
 main(sys.argv[2:])
 """
 
 
-def start_pooled(record: Path, log: Path) -> tuple[subprocess.Popen[bytes], socket.socket]:
+def start_pooled(record: Path, log: Path, mode: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
     ours, theirs = socket.socketpair()
     code = f"CUDA = {CUDA_ENTRY_POINTS!r}\nC = {C_ENTRY_POINTS!r}\n" + SHIM
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -86,7 +94,7 @@ def start_pooled(record: Path, log: Path) -> tuple[subprocess.Popen[bytes], sock
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", code, str(record), "--fd", str(theirs.fileno()), "--parent", str(os.getpid()),
-             "--pool"],
+             mode],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             cwd=REPO, env=env, process_group=0,
         )
@@ -109,9 +117,11 @@ def wait_hello(sock: socket.socket, log: Path) -> Hello:
                 return message
 
 
-def test_pooled_interpreter_start_makes_no_cuda_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("mode", "exit_code"), [("--pool", -signal.SIGKILL), ("--fork-server", 0)])
+def test_pooled_interpreter_start_makes_no_cuda_call(tmp_path: Path, mode: str, exit_code: int) -> None:
+    """`exit_code`: at the channel's end a pooled interpreter kills its own group, a server exits."""
     record, log = tmp_path / "cuda-calls.txt", tmp_path / "worker.log"
-    proc, sock = start_pooled(record, log)
+    proc, sock = start_pooled(record, log, mode)
     try:
         hello = wait_hello(sock, log)
         assert hello.pid == proc.pid
@@ -127,6 +137,6 @@ def test_pooled_interpreter_start_makes_no_cuda_call(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(TIMEOUT)
-    assert code == -signal.SIGKILL
+    assert code == exit_code
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
