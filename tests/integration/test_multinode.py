@@ -29,7 +29,7 @@ from tests.conftest import REPO, DaemonProc, assert_nothing_left, running_daemon
 from tests.faults.helpers import events_of, wait_gone
 
 from .netns import LINK, Node, two_nodes, unavailable
-from .test_pool import REFILL_TIMEOUT, pool_full, ready
+from .test_pool import pool_can_give, pool_full
 
 pytestmark = [pytest.mark.anyio, pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))]
 
@@ -288,7 +288,7 @@ async def test_a_rank_lost_on_one_node_is_replaced_there_and_both_nodes_train_on
         expected = {r.checksum for v in reference for r in v.ranks}
         assert len(expected) == 1
 
-        await b.wait_log(lambda _: len(ready(b)) >= 3, REFILL_TIMEOUT)  # the ranks, and a spare for the replacement
+        await pool_can_give(b, 3)  # the ranks, and a spare for the replacement
         port = next(PORTS)
         ja = await a.client.submit(multinode(a, nodes, "hot", port, **spec))
         jb = await b.client.submit(multinode(b, nodes, "hot", port, **spec))

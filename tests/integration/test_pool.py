@@ -81,8 +81,9 @@ def pool_pids_seen(d: DaemonProc) -> set[int]:
 
 
 async def pool_full(d: DaemonProc, exclude: frozenset[int] | set[int] = frozenset()) -> set[int]:
-    """Wait (on the daemon's log) until POOL workers not in `exclude` are ready; return their pids."""
-    await d.wait_log(lambda _: len(ready(d) - exclude) >= POOL, REFILL_TIMEOUT)
+    """Wait (on the daemon's log) until POOL interpreters not in `exclude` are ready, or with fork
+    servers until the pool can give POOL ranks (`can_give`); return the ready workers' pids."""
+    await d.wait_log(lambda _: can_give(d, POOL) if forking(d) else len(ready(d) - exclude) >= POOL, REFILL_TIMEOUT)
     return ready(d) - exclude
 
 
