@@ -147,9 +147,12 @@ class DaemonProc:
 
 
 def daemon_argv(socket_path: Path, state_dir: Path, *extra: str) -> list[str]:
+    """No warm pool unless a test asks for one (a later flag wins), or DDPD_TEST_POOL_SIZE gives every
+    daemon one (a tier run on pooled ranks: forked by default; tests that assert cold ranks then fail)."""
+    pool = os.environ.get("DDPD_TEST_POOL_SIZE", "0")
     return [sys.executable, "-m", "ddpd.daemon", "serve", "--socket", str(socket_path),
             "--state-dir", str(state_dir), "--log-format", "json", "--allow-root-jobs",
-            "--pool-size", "0", *extra]  # no warm pool unless a test asks for one (a later flag wins)
+            "--pool-size", pool, *extra]
 
 
 async def start_daemon(
