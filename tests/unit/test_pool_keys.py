@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ddpd.daemon.pool.poolkeys import Demand, PoolKey, Shape, next_expiry, plan, start_env
+from ddpd.daemon.pool.poolkeys import CLAIM_WAIT, Claims, Demand, PoolKey, Shape, next_expiry, plan, start_env
 
 POOL = {"PATH": "/usr/bin", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8", "HOME": "/root"}
 
@@ -112,3 +112,21 @@ def test_each_active_user_keeps_one_warm_interpreter_and_at_most_an_even_share()
     p = plan(d, {theirs: 2, cycling[-1]: 2}, total=4, per_key=4, idle_expiry=600, now=31.0)
     assert p.spawn == {third: 1}  # a third user gets one at once: shares of 4 // 3 users, one each at least
     assert p.retire == {theirs: 1, cycling[-1]: 1}
+
+
+def test_a_claim_holds_a_jobs_ranks_until_its_takes_or_its_wait_lapses() -> None:
+    """A starting job's ranks are no surplus to retire until it took them; a claim no take follows
+    lapses after CLAIM_WAIT (the daemon's own key, learned at start, never holds one for good)."""
+    claims, a, b = Claims(), key(), key(uid=1001)
+    claims.claim(a, 2, now=100.0)
+    assert (claims.held(a, 100.0), claims.held(b, 100.0)) == (2, 0)
+    claims.took(a)
+    assert claims.held(a, 101.0) == 1
+    claims.took(a)
+    claims.took(a)  # a cold rank's take finds none ready: never below none
+    assert claims.held(a, 101.0) == 0
+    claims.claim(a, 1, now=200.0)
+    assert claims.held(a, 200.0 + CLAIM_WAIT - 0.1) == 1 and claims.held(a, 200.0 + CLAIM_WAIT) == 0
+    claims.claim(b, 3, now=300.0)
+    claims.forget(b)
+    assert claims.held(b, 300.0) == 0

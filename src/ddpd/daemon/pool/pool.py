@@ -73,7 +73,7 @@ from .channel import WorkerChannel
 from .forkserver import Spares, fork_from
 from .members import POOL, ForkServer
 from .members import PoolWorker as PoolWorker  # (where the attempt imports them from)
-from .poolkeys import Demand, PoolKey, Shape, next_expiry, plan
+from .poolkeys import Claims, Demand, PoolKey, Shape, next_expiry, plan
 from .yielding import can_idle, freeze_cgroup, idle_cgroup, pool_state, set_priority
 
 log = structlog.get_logger("ddpd")
@@ -101,7 +101,7 @@ class WarmPool:
         self._wake = anyio.Event()
         self._failures: dict[PoolKey, int] = {}  # consecutive deaths before hello, per key
         self._retry_at: dict[PoolKey, float] = {}
-        self._claims: dict[PoolKey, int] = {}  # ranks a starting job will take, per key: no surplus to retire
+        self._claims = Claims()  # ranks a starting job will take, per key: no surplus to retire
         self._closing = False
         self._cores = len(os.sched_getaffinity(0))
         self._names = itertools.count()
@@ -146,7 +146,7 @@ class WarmPool:
             self._wake.set()
             return
         self._demand[shape.key] = Demand(shape, ranks, time.monotonic())
-        self._claims[shape.key] = 0 if self.fork else ranks  # (its takes come after the want changed)
+        self._claims.claim(shape.key, 0 if self.fork else ranks, time.monotonic())  # (its takes come after)
         if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
             del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
         self._wake.set()
@@ -158,7 +158,7 @@ class WarmPool:
         if self.fork:
             self._wake.set()  # the key's spares are forked again in the background
             return self.spares.take(key) or await self._fork(key)
-        self._claims[key] = max(0, self._claims.get(key, 0) - 1)
+        self._claims.took(key)
         ready = self._ready.get(key)
         while ready:
             w = ready.popleft()
@@ -246,13 +246,13 @@ class WarmPool:
         for key in todo.forget:
             del self._demand[key]
             self._failures.pop(key, None)
-            self._claims.pop(key, None)
+            self._claims.forget(key)
             log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
         # backoffs still running, of keys still wanted (a past one must not wake the loop again)
         self._retry_at = {k: t for k, t in self._retry_at.items() if t > now and k in self._demand}
         for key, n in todo.retire.items():
             ready = self._ready.get(key, deque())
-            for _ in range(min(n, len(ready) - self._claims.get(key, 0))):  # a job's start lowered the want
+            for _ in range(min(n, len(ready) - self._claims.held(key, now))):  # a job's start lowered the want
                 w = ready.popleft()  # the oldest first
                 w.retired = True
                 log.info("pool.worker_retired", pid=w.pid, uid=key.uid)

@@ -205,3 +205,30 @@ def _shares(live: list[Demand], room: int, per_key: int) -> dict[PoolKey, int]:
 def next_expiry(demand: Mapping[PoolKey, Demand], idle_expiry: float) -> float | None:
     """When the next key's demand expires (monotonic seconds), None with no demand."""
     return min((d.last_used + idle_expiry for d in demand.values()), default=None)
+
+
+CLAIM_WAIT = 30.0  # seconds a job's claim on its key's ready interpreters lasts (its takes come within them)
+
+
+class Claims:
+    """Ranks a starting job will take, per key, for CLAIM_WAIT seconds after its start: what the
+    refill loop must not retire as surplus when the start lowered its key's want (it did, and a
+    1-rank job after a 2-rank one started cold). Each take uses one; a claim no take follows (the
+    daemon's own key learned at start, a launch that failed) lapses."""
+
+    def __init__(self) -> None:
+        self._claims: dict[PoolKey, tuple[int, float]] = {}
+
+    def claim(self, key: PoolKey, ranks: int, now: float) -> None:
+        self._claims[key] = (ranks, now + CLAIM_WAIT)
+
+    def took(self, key: PoolKey) -> None:
+        ranks, until = self._claims.get(key, (0, 0.0))
+        self._claims[key] = (max(0, ranks - 1), until)
+
+    def held(self, key: PoolKey, now: float) -> int:
+        ranks, until = self._claims.get(key, (0, 0.0))
+        return ranks if now < until else 0
+
+    def forget(self, key: PoolKey) -> None:
+        self._claims.pop(key, None)
