@@ -145,8 +145,9 @@ class WarmPool:
         if not self.serves(shape):
             self._wake.set()
             return
-        self._demand[shape.key] = Demand(shape, ranks, time.monotonic())
-        self._claims.claim(shape.key, 0 if self.fork else ranks, time.monotonic())  # (its takes come after)
+        now, known = time.monotonic(), shape.key in self._demand  # a known key's want may drop: claim
+        self._claims.claim(shape.key, ranks if known and not self.fork else 0, now)  # (its takes come after)
+        self._demand[shape.key] = Demand(shape, ranks, now)
         if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
             del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
         self._wake.set()
@@ -217,9 +218,8 @@ class WarmPool:
         return max(0.01, min(times, default=now + 86400.0) - now)
 
     def _yield_to_jobs(self) -> None:
-        """Refills at idle priority while jobs hold cores, at normal priority while none does; held
-        (their cgroups frozen) beyond the cores the running jobs' ranks leave free, the oldest
-        refills keeping those."""
+        """Refills at idle priority while jobs hold cores, else normal; held (cgroups frozen) beyond
+        the cores the running jobs' ranks leave free, the oldest refills keeping those."""
         busy = self.busy_ranks()
         free = max(0, self._cores - busy)
         for i, w in enumerate(sorted(self._starting, key=lambda w: w.spawned_at)):
