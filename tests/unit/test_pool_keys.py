@@ -116,7 +116,7 @@ def test_each_active_user_keeps_one_warm_interpreter_and_at_most_an_even_share()
 
 def test_a_claim_holds_a_jobs_ranks_until_its_takes_or_its_wait_lapses() -> None:
     """A starting job's ranks are no surplus to retire until it took them; a claim no take follows
-    lapses after CLAIM_WAIT (the daemon's own key, learned at start, never holds one for good)."""
+    lapses after CLAIM_WAIT (a launch that failed never holds one for good)."""
     claims, a, b = Claims(), key(), key(uid=1001)
     claims.claim(a, 2, now=100.0)
     assert (claims.held(a, 100.0), claims.held(b, 100.0)) == (2, 0)

@@ -213,8 +213,8 @@ CLAIM_WAIT = 30.0  # seconds a job's claim on its key's ready interpreters lasts
 class Claims:
     """Ranks a starting job will take, per key, for CLAIM_WAIT seconds after its start: what the
     refill loop must not retire as surplus when the start lowered its key's want (it did, and a
-    1-rank job after a 2-rank one started cold). Each take uses one; a claim no take follows (the
-    daemon's own key learned at start, a launch that failed) lapses."""
+    1-rank job after a 2-rank one started cold). Each take uses one; a claim no take follows (a
+    launch that failed before its ranks) lapses."""
 
     def __init__(self) -> None:
         self._claims: dict[PoolKey, tuple[int, float]] = {}
