@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,7 +23,8 @@ from ..scripts.helpers import ENV_MARK, SCRIPTS, rank_reports
 
 pytestmark = pytest.mark.anyio
 
-TORCHRUN = str(REPO / ".venv" / "bin" / "torchrun") if (REPO / ".venv" / "bin" / "torchrun").exists() else "torchrun"
+# the torchrun beside the interpreter running the tests (the venv the suite runs in, wherever it is)
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # set by torchrun's launcher for its own agent (which signals to forward), or by the terminal and
 # locale handling of the process tree, not for the script
 # TORCH_NCCL_ASYNC_ERROR_HANDLING: torchrun's 1 is not copied (torch's own default is safer)
