@@ -213,6 +213,7 @@ async def test_supervision_writes_degrade_instead_of_raising(journal: Journal, d
     try:
         with capture_logs() as logs:
             await journal.job_state(job, JobState.CANCELLED, "cancelled")  # must not raise
+            await journal.event(job, "job.note")  # a second write while storage is down
     finally:
         holder.rollback()
         holder.close()
@@ -220,7 +221,8 @@ async def test_supervision_writes_degrade_instead_of_raising(journal: Journal, d
     failed = [e for e in logs if e["event"] == "journal.write_failed"]
     retries = [e for e in logs if e["event"] == "journal.write_retry"]
     assert failed and failed[0]["log_level"] == "error" and "locked" in failed[0]["error"]
-    # the first write was tried three times (two pauses), the next one once: storage is known to be down
+    # the first write (the job's row and its event, one write) was tried three times (two pauses), the
+    # next one once: storage is known to be down
     assert (len(failed), len(retries)) == (2, 2)
     assert journal.failed_writes == len(failed)
     kinds = []

@@ -73,8 +73,10 @@ class Journal(StoredJobs):
         return await self._writes.write(what, fn, job_id)
 
     async def event(
-        self, job: Job | None, kind: str, *, rank: int | None = None, persist: bool = True, **data: Any
+        self, job: Job | None, kind: str, *, rank: int | None = None, persist: bool = True,
+        _with_row: Callable[[sqlite3.Connection], Any] | None = None, **data: Any
     ) -> None:
+        """Record an event (`_with_row`: a row written in the same write, just before it)."""
         ts, place = time.time(), self._outbox.take()
         job_id = job.id if job else None
         attempt = job.attempt if job else None
@@ -83,9 +85,15 @@ class Journal(StoredJobs):
         try:
             if persist:
                 text = json.dumps(data, default=str)
-                seq = await self._write(kind, lambda c: c.execute(
-                    "INSERT INTO events (ts, job_id, attempt, rank, kind, data) VALUES (?, ?, ?, ?, ?, ?)",
-                    (ts, job_id, attempt, rank, kind, text)).lastrowid, job_id) or 0
+
+                def insert(c: sqlite3.Connection) -> int:
+                    if _with_row is not None:
+                        _with_row(c)
+                    return int(c.execute(
+                        "INSERT INTO events (ts, job_id, attempt, rank, kind, data) VALUES (?, ?, ?, ?, ?, ?)",
+                        (ts, job_id, attempt, rank, kind, text)).lastrowid or 0)
+
+                seq = await self._write(kind, insert, job_id) or 0
             view = EventView(seq=seq, ts=ts, kind=kind, job_id=job_id, attempt=attempt, rank=rank, data=data)
         finally:
             self._outbox.put(place, view)  # published in stamp order (a cancelled write: nothing)
@@ -127,9 +135,12 @@ class Journal(StoredJobs):
         if new.final:
             job.finished_at = now
         try:
-            await self.save_job(job)
+            # the row and its event in one write, queued now: the event takes its place in the journal
+            # when the transition is decided, never after an event recorded while the row was written
+            # (a rank.failed before "all ranks joined" that was decided before it)
+            row = job_row(job)
             data.update({"from": old.value, "to": new.value, "reason": reason})
-            await self.event(job, "job.state_changed", **data)
+            await self.event(job, "job.state_changed", _with_row=lambda c: upsert(c, "jobs", ("id",), row), **data)
         finally:
             if new.final and finish:
                 job.finished.set()
