@@ -6,8 +6,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, cast
 
-from ddpd.daemon.attempt.launch import rank_env
 from ddpd.daemon.attempt.decide import finished_outcome
+from ddpd.daemon.attempt.launch import rank_env
 from ddpd.daemon.attempt.ranks import FrameBudget, RankHandle, rank_succeeded
 from ddpd.daemon.contain.procs import Exit
 from ddpd.daemon.run.outcome import AttemptEnd
