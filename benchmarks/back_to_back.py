@@ -147,7 +147,8 @@ async def back_to_back(rounds: int, nproc: int = 2) -> dict[str, Any]:
     unsettled: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="ddpd-b2b-") as tmp:
         base = Path(tmp)
-        daemons = {"pooled": await start_daemon(base, "pooled", config={"cpu_slots": slots}),
+        # "pooled": whole warm interpreters (pool_settled counts them; the fork server has its own benchmark)
+        daemons = {"pooled": await start_daemon(base, "pooled", config={"cpu_slots": slots, "pool_fork_server": False}),
                    "cold": await start_daemon(base, "cold", config={"cpu_slots": slots, "pool_size": 0})}
         try:
             for model in MODELS:

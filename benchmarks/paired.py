@@ -275,7 +275,9 @@ async def paired(models: Sequence[Model], rounds: int, nproc: int = 2) -> list[d
         base = Path(tmp)
         daemons: dict[str, Daemon] = {}
         try:
-            for key, config in (("pooled", {}), ("cold", {"pool_size": 0}), ("task", {}),
+            # "pooled" and "task": whole warm interpreters (the fork server, the default pool, is "forked")
+            whole: dict[str, Any] = {"pool_fork_server": False}
+            for key, config in (("pooled", whole), ("cold", {"pool_size": 0}), ("task", whole),
                                 ("forked", {"pool_fork_server": True})):
                 daemons[key] = await start_daemon(base, key, config={"cpu_slots": slots, **config})
             for model in models:

@@ -123,7 +123,8 @@ async def bench_forkserver(ctx: Ctx) -> None:
     lost = ctx.results.metric("forkserver_lost", "fork server", "back to back: steps lost", "steps")
     daemons: dict[str, Daemon] = {}
     try:
-        daemons[INTERP] = await start_daemon(ctx.base, "ddpd-interp", config={"cpu_slots": RANKS})
+        daemons[INTERP] = await start_daemon(ctx.base, "ddpd-interp", config={"cpu_slots": RANKS,
+                                                                            "pool_fork_server": False})
         daemons[FORK] = await start_daemon(ctx.base, "ddpd-fork", config={"cpu_slots": RANKS,
                                                                           "pool_fork_server": True})
         async with anyio.create_task_group() as tg:

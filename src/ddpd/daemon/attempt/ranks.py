@@ -258,6 +258,9 @@ async def _apply(h: RankHandle, ctx: RankLink, msg: object, now: float) -> None:
                 await journal.rank_state(job, rank, RankState.TRAINING)
         case PhaseChanged(phase="reformed", generation=generation):  # hot replacement: it trains again in
             rank.last_step_change = now  # the group of `generation`
+            # its first step in the new group is an event at once (the rank reports it at once too):
+            # the 0.2 s spacing dropped a survivor's, whose next report came a progress interval later
+            h.last_progress_event = 0.0
             ctx.events.send_nowait(Reformed(h, generation))
         case PhaseChanged(phase="done"):
             h.finished = True  # a silence from now on is a stall at exit (deadlines, rootcause)
