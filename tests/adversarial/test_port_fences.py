@@ -186,6 +186,11 @@ def remove_stale_rules(tag: str) -> None:
             handle = line.rsplit("# handle ", 1)[1].strip()
             subprocess.run([NFT, "delete", "rule", "inet", "ddpd", "output", "handle", handle], check=False,
                            capture_output=True)
+    left = subprocess.run([NFT, "list", "chain", "inet", "ddpd", "output"], capture_output=True, text=True,
+                          check=False).stdout
+    if left and " reject " not in left and " accept" not in left.split("policy accept", 1)[-1]:
+        # the shared table leave_stale_rules made, now empty: gone too (what the test made, it removes)
+        subprocess.run([NFT, "delete", "table", "inet", "ddpd"], check=False, capture_output=True)
 
 
 @needs_nft
