@@ -21,7 +21,7 @@ from typing import TypeVar
 import pytest
 
 from ddpd.daemon.contain import gate as gate_mod
-from ddpd.daemon.contain.gate import shell_gate, shell_launch, spawn_gated
+from ddpd.daemon.contain.gate import gate_said, shell_carries, shell_gate, spawn_gated
 from ddpd.daemon.contain.identity import Identity
 from ddpd.daemon.control.interpreters import check_interpreter
 from tests.conftest import assert_gone
@@ -73,7 +73,7 @@ def gated(argv: list[str], env: dict[str, str], cwd: str, who: Identity | None, 
 @pytest.fixture(params=[True, False], ids=["shell", "python"])
 def shell(request: pytest.FixtureRequest) -> bool:
     if request.param and shell_gate() is None:
-        pytest.fail("dash and setpriv (root's) are expected on this machine: the shell gate is the default path")
+        pytest.fail("dash, setpriv and env (root's) are expected on this machine: the shell gate is the default path")
     return bool(request.param)
 
 
@@ -111,36 +111,40 @@ def test_the_fds_the_child_holds_are_only_what_it_was_given(ann: Identity, shell
 
 
 def test_a_failed_start_says_why_with_the_gates_status(ann: Identity, public_tmp: Path, shell: bool) -> None:
+    """The kernel's errno, as env(1) says it (the shell gate runs env) or as the OSError's strerror (the
+    Python gate), with env's exit status: 125 the directory, 126 there but not runnable, 127 not there."""
     closed = public_tmp / "closed"
     closed.mkdir(mode=0o700)
     a_file = public_tmp / "file"
     a_file.write_text("")
     cases = [
-        (SYSTEM_PYTHON, str(public_tmp / "missing"), 2, "No such file or directory"),
-        (SYSTEM_PYTHON, str(closed), 13, "Permission denied"),
-        (SYSTEM_PYTHON, str(a_file), 20, "Not a directory"),
-        (str(public_tmp / "nope"), "/", 2, "No such file or directory"),
-        (str(a_file), "/", 13, "Permission denied"),  # not executable
-        (str(closed / "python"), "/", 13, "Permission denied"),  # a closed directory on the way
-        (SYSTEM_PYTHON, str(closed / "sub"), 13, "Permission denied"),
-        (str(a_file / "python"), "/", 20, "Not a directory"),  # a file on the way
-        (SYSTEM_PYTHON, str(a_file / "sub"), 20, "Not a directory"),
-        (str(public_tmp), "/", 13, "Permission denied"),  # a directory to run
-        (str(public_tmp / "to-closed"), "/", 13, "Permission denied"),  # a link into a closed directory
-        (str(public_tmp / "dangling"), "/", 2, "No such file or directory"),
+        (SYSTEM_PYTHON, str(public_tmp / "missing"), 125, "No such file or directory"),
+        (SYSTEM_PYTHON, str(closed), 125, "Permission denied"),
+        (SYSTEM_PYTHON, str(a_file), 125, "Not a directory"),
+        (str(public_tmp / "nope"), "/", 127, "No such file or directory"),
+        (str(a_file), "/", 126, "Permission denied"),  # not executable
+        (str(closed / "python"), "/", 126, "Permission denied"),  # a closed directory on the way
+        (SYSTEM_PYTHON, str(closed / "sub"), 125, "Permission denied"),
+        (str(a_file / "python"), "/", 126, "Not a directory"),  # a file on the way
+        (SYSTEM_PYTHON, str(a_file / "sub"), 125, "Not a directory"),
+        (str(public_tmp), "/", 126, "Permission denied"),  # a directory to run
+        (str(public_tmp / "to-closed"), "/", 126, "Permission denied"),  # a link into a closed directory
+        (str(public_tmp / "dangling"), "/", 127, "No such file or directory"),
     ]
     (public_tmp / "to-closed").symlink_to(closed / "python")
     (closed / "python").symlink_to(SYSTEM_PYTHON)  # (there, but not for the user)
     (public_tmp / "dangling").symlink_to("nowhere/python")
-    for program, cwd, errno, why in cases:
-        code, out, err, _ = gated([program, "-c", "print('ran')"], {}, cwd, ann, shell)
-        assert (code, out) == (127, ""), (program, cwd, err)
-        assert f"ddpd: cannot start {program} in {cwd}: [Errno {errno}] {why}" in err, err
+    for program, cwd, status, why in cases:
+        code, out, err, _ = gated([program, "-c", "print('ran')"], {"LC_ALL": "C"}, cwd, ann, shell)
+        assert (code, out) == (status, ""), (program, cwd, err)
+        said = f"cannot change directory to '{cwd}': {why}" if status == 125 else f"'{program}': {why}"
+        assert gate_said(err) and err.startswith("ddpd: ") != shell and said in err, err
 
 
 def test_a_launch_the_shell_cannot_carry_goes_the_python_way(ann: Identity) -> None:
-    env = {"NOT-A-SHELL-NAME": "1", "OPTIND": "not a number", "PYTHONCOERCECLOCALE": "0"}
-    assert shell_launch([SYSTEM_PYTHON], env, "/") is None
+    env = {"NOT-A-SHELL-NAME": "1", "OPTIND": "not a number", "PYTHONCOERCECLOCALE": "0",
+           "BASH_FUNC_f%%": "() {  echo 'hi'\n}", "a b": "c"}
+    assert not shell_carries(env)
     code, out, err, _ = gated([SYSTEM_PYTHON, "-c", "import json, os; print(json.dumps(dict(os.environ)))"],
                               env, "/", ann, shell=True)
     assert code == 0, err

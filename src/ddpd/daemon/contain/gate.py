@@ -6,30 +6,36 @@ an escapee before the daemon moves the pid. `clone3(CLONE_INTO_CGROUP)` would cl
 Python 3.11 has no binding for it and a raw clone3 through ctypes in a threaded interpreter is
 not safe (no fork handlers: the child may deadlock on a lock another thread held).
 
-So a rank is started through a gate: the daemon's own interpreter, isolated (`-I -S`, an empty
-environment, so no user variable, no site hook and no LD_PRELOAD reaches it), running as root. It
-blocks reading a pipe. The daemon moves its pid into the cgroup, then writes the launch (argv,
-environment, working directory, identity, umask) down the pipe. The gate then drops privileges
-(setgroups, setresgid, setresuid: the same as Popen's `extra_groups=`, `group=`, `user=`), enters
-the working directory *as the user* (so a root-only directory stays closed to the job), and
-`execve`s the job's interpreter. Same pid throughout: the Popen object, its pidfd, the process
-group (`process_group=`) and the fds passed with `pass_fds` are the rank's. If the daemon closes
-the pipe without a launch (the cgroup move failed), the gate exits 111 having run nothing.
+So a rank is started through a gate: a root process in an empty environment (no user variable,
+no site hook and no LD_PRELOAD reaches it) that blocks reading a pipe. The daemon moves its pid
+into the cgroup, then writes the launch down the pipe. The gate drops privileges (setgroups,
+setresgid, setresuid, the saved ids included: what Popen's `extra_groups=`, `group=`, `user=` do),
+enters the working directory *as the user* (so a root-only directory stays closed to the job), and
+execs the job's interpreter. Same pid throughout: the Popen object, its pidfd, the process group
+(`process_group=`) and the fds passed with `pass_fds` are the rank's. If the daemon closes the pipe
+without a launch (the cgroup move failed), the gate exits 111 having run nothing.
 
-**The shell gate.** An interpreter start is about 8 ms of CPU a rank (500 ranks: 4 s of CPU on a
-launch path that should take under 5 s), so where the system has them, the gate is dash and
-setpriv instead, about 2.5 ms. Root's `dash -c`, in the empty environment, runs a command of the
-daemon's own making (ids and two root-owned paths; nothing of the job): it reads one line from
-its stdin, the pipe (dash's `read` takes a byte at a time, so what follows stays in the pipe);
-the daemon places it and writes the go-ahead line and then the launch; it execs `setpriv`
-(setresgid, setgroups, setresuid, the saved ids included), which execs a second dash, now the
-user's, reading the rest of the pipe as its commands: the umask, `cd -P` into the working
-directory, the environment (`export`, every value quoted), and the `exec` of the job's
-interpreter with stdin from /dev/null. What the job wrote is read by a shell only after the
-privileges are gone, and its environment's secrets are never on a command line. The same exit
-statuses and messages ("ddpd: cannot start ... [Errno N] ...") as the Python gate, which stays
-for what the shell gate cannot carry (an environment name that is not a shell name, a stdin other
-than /dev/null) and where dash or setpriv is missing or not root's alone.
+**One launch, two readers.** The launch is one document (`launch_script`): the umask, the
+environment (`export NAME=VALUE`, every name and value quoted) and `exec env -C DIR -- ARGV`. The
+ids are on the gate's command line (as setpriv's options), never anything of the job.
+
+- *The shell gate* (where dash, setpriv and an env that takes `-C` are root's alone). Root's `dash
+  -c` runs a command of the daemon's own making: it reads one line, the go-ahead, from its stdin,
+  the pipe (dash's `read` takes a byte at a time, so the launch stays in the pipe), then execs
+  `setpriv`, which execs a second dash, now the user's, that runs the launch from the pipe. What
+  the job wrote is read by a shell only after the privileges are gone, and the environment's
+  secrets are never on a command line. About 2.5 ms a rank, against 8 ms of CPU for an interpreter
+  start (500 ranks: 4 s on a launch path that should take under 5 s).
+- *The Python gate*, the daemon's own interpreter (`-I -S`), reads the same document (`parse`,
+  which knows the four kinds of line the daemon writes and shlex.quote's grammar) and does the
+  same with os calls. It takes what dash cannot carry: a name dash cannot export (bash's exported
+  functions, `BASH_FUNC_f%%`, are common in a user's environment) or `OPTIND`, a stdin other than
+  /dev/null, a launch over `SHELL_PIPE_LIMIT`, and a system without those three programs.
+
+A start that fails before the job's interpreter runs says why from the kernel's own errno (env's
+message through the shell gate; the OSError's strerror through the Python gate; nothing re-derives
+it) and exits as env and the shells do: 125 the directory cannot be entered, 126 the program is
+there and cannot be run, 127 it is not there.
 
 **Nothing a user can stop is ever waited for.** The launch is written whole, non-blocking, into a
 pipe sized to hold it before the gate reads a byte (`F_SETPIPE_SZ`): the daemon never waits on the
@@ -50,7 +56,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
-import marshal
 import os
 import re
 import select
@@ -66,7 +71,10 @@ from typing import Any
 from ddpd.daemon.contain.identity import RANK_UMASK, Identity
 
 GATE_ABANDONED = 111  # the gate's exit status when the daemon gave up before the launch
-GATE_EXEC_FAILED = 127  # its exit status when the job's interpreter could not be started (as a shell's)
+# A start that failed before the job's interpreter ran exits as env(1) and the shells do: 125 the
+# working directory could not be entered, 126 the program is there but cannot be run, 127 it is not
+# there. Both gates: through the shell gate these are env's own statuses.
+GATE_NO_DIRECTORY, GATE_CANNOT_RUN, GATE_NOT_FOUND = 125, 126, 127
 LAUNCH_WAIT = 5.0  # seconds the daemon gives root's own (Python) gate to read a launch larger than its pipe
 SHELL_PIPE_LIMIT = 1 << 20  # bytes: a shell launch above this goes through the Python gate (see the module)
 
@@ -74,8 +82,48 @@ SHELL_PIPE_LIMIT = 1 << 20  # bytes: a shell launch above this goes through the 
 class LaunchStalled(OSError):
     """The gate did not read its launch within LAUNCH_WAIT (what it was to start did not start)."""
 
-GATE_SOURCE = rf"""
-import marshal, os, sys
+
+# The launch, in the one form both gates read: lines of words, each word shlex-quoted by
+# `launch_script` (unquoted safe characters, '...' runs, and "'" for a quote: shlex.quote's whole
+# grammar). The user's dash runs it; the Python gate reads it with `parse` (below, also run by the
+# tests against every kind of value), which knows the four kinds of line the daemon writes:
+# `umask`, `unset`, `export NAME=VALUE` and `exec ENV -C DIR -- ARGV... </dev/null`.
+PARSE_SOURCE = r"""
+def parse(data):
+    umask, env, cwd, argv = 0o22, {}, b"/", []
+    lines, words, i, n = [], [], 0, len(data)
+    while i < n:
+        c = data[i]
+        if c == 10:
+            lines.append(words)
+            words, i = [], i + 1
+            continue
+        if c == 32:
+            i += 1
+            continue
+        word = bytearray()
+        while i < n and data[i] not in (10, 32):
+            if data[i] in (34, 39):
+                j = data.index(data[i:i + 1], i + 1)
+                word += data[i + 1:j]
+                i = j + 1
+            else:
+                word.append(data[i])
+                i += 1
+        words.append(bytes(word))
+    for words in lines:
+        if words[0] == b"umask":
+            umask = int(words[1], 8)
+        elif words[0] == b"export":
+            name, _, value = words[1].partition(b"=")
+            env[name] = value
+        elif words[0] == b"exec":
+            cwd, argv = words[3], words[5:-1]
+    return umask, env, cwd, argv
+"""
+
+GATE_SOURCE = PARSE_SOURCE + rf"""
+import os, sys
 fd = int(sys.argv[1])
 chunks = []
 while True:
@@ -86,51 +134,40 @@ while True:
 os.close(fd)
 if not chunks:
     os._exit({GATE_ABANDONED})
-launch = marshal.loads(b"".join(chunks))
+umask, env, cwd, argv = parse(b"".join(chunks))
+if len(sys.argv) > 2:
+    uid, gid = int(sys.argv[2]), int(sys.argv[3])
+    os.setgroups([int(g) for g in sys.argv[4].split(",") if g])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+os.umask(umask)
 try:
-    if launch["uid"] is not None:
-        os.setgroups(launch["groups"])
-        os.setresgid(launch["gid"], launch["gid"], launch["gid"])
-        os.setresuid(launch["uid"], launch["uid"], launch["uid"])
-    os.umask(launch["umask"])
-    os.chdir(launch["cwd"])
-    os.execve(launch["argv"][0], launch["argv"], launch["env"])
+    os.chdir(cwd)
 except OSError as exc:
-    os.write(2, f"ddpd: cannot start {{launch['argv'][0]}} in {{launch['cwd']}}: {{exc}}\n".encode())
-    os._exit({GATE_EXEC_FAILED})
+    os.write(2, b"ddpd: cannot change directory to '" + cwd + b"': " + exc.strerror.encode() + b"\n")
+    os._exit({GATE_NO_DIRECTORY})
+try:
+    os.execve(argv[0], argv, env)
+except OSError as exc:
+    os.write(2, b"ddpd: '" + argv[0] + b"': " + exc.strerror.encode() + b"\n")
+    os._exit({GATE_NOT_FOUND} if exc.errno == 2 else {GATE_CANNOT_RUN})
 """
 
-
-def launch_document(
-    argv: Sequence[str], env: Mapping[str, str], cwd: str, identity: Identity | None, umask: int = RANK_UMASK
-) -> bytes:
-    """What the daemon writes down the gate's pipe (identity None: keep the daemon's own)."""
-    if not argv or not os.path.isabs(argv[0]):
-        raise ValueError("argv[0] must be an absolute path to the job's interpreter")
-    if not os.path.isabs(cwd):
-        raise ValueError(f"cwd must be an absolute path, not {cwd!r}")
-    doc: dict[str, Any] = {
-        "argv": list(argv),
-        "env": dict(env),
-        "cwd": cwd,
-        "umask": umask,
-        "uid": identity.uid if identity else None,
-        "gid": identity.gid if identity else None,
-        "groups": list(identity.groups) if identity else [],
-    }
-    # marshal, not json: the gate reads only what the daemon wrote, and marshal is built in (importing
-    # json took a third of the gate's start, paid once per rank)
-    return marshal.dumps(doc)
+_parsed: dict[str, Any] = {}
+exec(PARSE_SOURCE, _parsed)
+parse_launch: Callable[[bytes], tuple[int, dict[bytes, bytes], bytes, list[bytes]]] = _parsed["parse"]
 
 
 @dataclass(frozen=True)
 class ShellGate:
     dash: str
     setpriv: str
+    env: str
 
 
 SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SHELL_CHECKED = frozenset({"OPTIND"})  # names dash checks the value of (a non-number ends it)
+ENV_PATHS = ("/usr/bin/env", "/bin/env")
 
 
 def _root_only(path: str) -> bool:
@@ -152,65 +189,58 @@ def _root_only(path: str) -> bool:
         return False
 
 
+def _enters(env: str) -> bool:
+    """Whether `env` takes `-C DIR` (GNU coreutils 8.28 and later; busybox's does not)."""
+    try:
+        return subprocess.run([env, "-C", "/", "--", env, "true"], env={}, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=5).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 @functools.cache
 def shell_gate() -> ShellGate | None:
-    """dash and setpriv, where both are there and root's alone (else the Python gate)."""
+    """dash, setpriv and an env that takes -C, where all three are there and root's alone (else the
+    Python gate)."""
     def first(*paths: str) -> str | None:
         return next((p for p in paths if _root_only(p)), None)
 
     dash, setpriv = first("/usr/bin/dash", "/bin/dash"), first("/usr/bin/setpriv", "/bin/setpriv")
-    return ShellGate(dash, setpriv) if dash and setpriv else None
+    env = first(*ENV_PATHS)
+    return ShellGate(dash, setpriv, env) if dash and setpriv and env and _enters(env) else None
 
 
-# Why the user cannot reach path $1 (a `dir` to enter, or a `file` to run), as the Python gate's
-# chdir/execve would say: a closed directory on the way, a missing name, a name on the way that is
-# not a directory; else (all there) not a directory to enter, or not a file it may run. A symbolic
-# link whose target is out of reach is followed (`readlink`, on this failure path only).
-WHY = """ddpd_why() {
-  ddpd_at= ddpd_rest=${1#/} ddpd_hops=0
-  while [ -n "$ddpd_rest" ]; do
-    [ -x "${ddpd_at:-/}" ] || ddpd_fail 13 'Permission denied'
-    ddpd_at=$ddpd_at/${ddpd_rest%%/*}
-    case $ddpd_rest in */*) ddpd_rest=${ddpd_rest#*/} ;; *) ddpd_rest= ;; esac
-    if [ -L "$ddpd_at" ] && ! [ -e "$ddpd_at" ] && [ "$ddpd_hops" -lt 40 ]; then
-      ddpd_hops=$((ddpd_hops + 1))
-      ddpd_to=$(readlink -- "$ddpd_at") || ddpd_fail 13 'Permission denied'
-      case $ddpd_to in /*) ;; *) ddpd_to=${ddpd_at%/*}/$ddpd_to ;; esac
-      ddpd_at= ddpd_rest=${ddpd_to#/}${ddpd_rest:+/$ddpd_rest}
-      continue
-    fi
-    [ -e "$ddpd_at" ] || ddpd_fail 2 'No such file or directory'
-    [ -z "$ddpd_rest" ] || [ -d "$ddpd_at" ] || ddpd_fail 20 'Not a directory'
-  done
-  [ "$2" = file ] || [ -d "$1" ] || ddpd_fail 20 'Not a directory'
-  ddpd_fail 13 'Permission denied'
-}"""
-
-
-def shell_launch(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: int = RANK_UMASK) -> bytes | None:
-    """What the user's dash reads and runs (`ShellGate`), or None when the shell cannot carry it (a
-    name in the environment that is not a shell name, or one dash checks). `cd -P`: the directory
-    the kernel resolves, as chdir(2) does (dash's logical `cd` reads `..` on the path)."""
+def launch_script(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: int = RANK_UMASK) -> bytes:
+    """The launch both gates read (see PARSE_SOURCE). dash runs it as the user: `unset` its own PWD
+    and OLDPWD (the job's, where it has them, are exported after), the environment exported (every
+    name and value quoted: nothing of the job is read as code), then `env -C` enters the directory
+    with chdir(2) as the user and execs the job's interpreter: a failure is the kernel's errno in
+    env's words, with env's status (GATE_NO_DIRECTORY, GATE_CANNOT_RUN, GATE_NOT_FOUND)."""
     if not argv or not os.path.isabs(argv[0]):
         raise ValueError("argv[0] must be an absolute path to the job's interpreter")
     if not os.path.isabs(cwd):
         raise ValueError(f"cwd must be an absolute path, not {cwd!r}")
-    if not all(SHELL_NAME.fullmatch(k) and k not in SHELL_CHECKED for k in env):
-        return None
     q = shlex.quote
-    program, where = q(argv[0]), q(cwd)
+    gate = shell_gate()
     lines = [
-        f"ddpd_fail() {{ printf 'ddpd: cannot start %s in %s: [Errno %s] %s\\n' {program} {where} \"$1\" \"$2\" >&2;"
-        f" exit {GATE_EXEC_FAILED}; }}",
-        WHY,
         f"umask {umask:04o}",
-        f"cd -P -- {where} 2>/dev/null || ddpd_why {where} dir",
-        f"[ -f {program} ] && [ -x {program} ] || ddpd_why {program} file",
-        "unset PWD OLDPWD",  # dash's own; the job's are exported below where it has them
-        *(f"export {k}={q(v)}" for k, v in env.items()),
-        "exec " + " ".join(q(a) for a in argv) + " </dev/null",  # its stdin was this launch
+        "unset PWD OLDPWD",
+        *(f"export {q(k)}={q(v)}" for k, v in env.items()),
+        f"exec {gate.env if gate else ENV_PATHS[0]} -C {q(cwd)} -- {' '.join(q(a) for a in argv)} </dev/null",
     ]
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
+
+
+def shell_carries(env: Mapping[str, str]) -> bool:
+    """Whether dash can export every name of `env` (a shell name, and not one dash checks the value
+    of); else the launch goes through the Python gate (`BASH_FUNC_f%%`, bash's exported functions,
+    is the common case)."""
+    return all(SHELL_NAME.fullmatch(k) and k not in SHELL_CHECKED for k in env)
+
+
+def gate_said(line: str) -> bool:
+    """Whether a line of stderr is a gate's own (a failed start: env's, or the Python gate's)."""
+    return line.startswith(("ddpd: ", *(f"{path}: " for path in ENV_PATHS)))
 
 
 def _gate_command(gate: ShellGate, identity: Identity | None) -> list[str]:
@@ -221,6 +251,13 @@ def _gate_command(gate: ShellGate, identity: Identity | None) -> list[str]:
         groups = f"--groups={','.join(str(g) for g in identity.groups)}" if identity.groups else "--clear-groups"
         then = f"{gate.setpriv} --reuid={identity.uid} --regid={identity.gid} {groups} -- {then}"
     return [gate.dash, "-c", f"read -r _ || exit {GATE_ABANDONED}; exec {then}"]
+
+
+def _python_gate_command(fd: int, identity: Identity | None) -> list[str]:
+    """Root's own interpreter, isolated, reading the launch from `fd`; the ids on its command line, as
+    setpriv's are."""
+    ids = [] if identity is None else [str(identity.uid), str(identity.gid), ",".join(map(str, identity.groups))]
+    return [sys.executable, "-I", "-S", "-c", GATE_SOURCE, str(fd), *ids]
 
 
 Register = Callable[[Callable[[], "subprocess.Popen[bytes]"]], "subprocess.Popen[bytes]"]
@@ -283,25 +320,23 @@ def spawn_gated(
     if refused:
         raise TypeError(f"spawn_gated sets {sorted(refused)} itself")
     stdin_null = popen.get("stdin") in (None, subprocess.DEVNULL)
-    gate = shell_gate() if shell and stdin_null else None
-    script = None if gate is None else shell_launch(argv, env, cwd, umask)
-    if script is not None and len(script) + 1 > SHELL_PIPE_LIMIT:
-        script = None  # its reader would be the user's dash: only what the pipe holds may go that way
+    script = launch_script(argv, env, cwd, umask)
+    gate = shell_gate() if shell and stdin_null and shell_carries(env) else None
+    if len(script) + 1 > SHELL_PIPE_LIMIT:
+        gate = None  # its reader would be the user's dash: only what the pipe holds may go that way
     # the shell gate's pipe is its stdin: the go-ahead line, then the launch its user's dash runs
-    document = launch_document(argv, env, cwd, identity, umask) if script is None else b"\n" + script
+    document = script if gate is None else b"\n" + script
     read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     os.set_blocking(read_end, True)
-    whole = size_pipe(write_end, len(document)) >= len(document)
-    if script is not None and not whole:
-        script, document = None, launch_document(argv, env, cwd, identity, umask)
-        size_pipe(write_end, len(document))
+    if size_pipe(write_end, len(document)) < len(document) and gate is not None:
+        gate, document = None, script  # (the pipe could not grow to hold it: root's gate reads it)
     try:
         pass_fds = tuple(popen.pop("pass_fds", ()))
-        if gate is not None and script is not None:
+        if gate is not None:
             command = _gate_command(gate, identity)
             popen["stdin"] = read_end
         else:
-            command = [sys.executable, "-I", "-S", "-c", GATE_SOURCE, str(read_end)]
+            command = _python_gate_command(read_end, identity)
             pass_fds = (*pass_fds, read_end)
         proc = register(lambda: subprocess.Popen(command, env={}, cwd="/", pass_fds=pass_fds, close_fds=True,
                                                  **popen))

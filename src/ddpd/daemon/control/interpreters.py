@@ -32,6 +32,7 @@ import anyio.to_thread
 import structlog
 
 from ..contain.cgroups import Subtree
+from ..contain.gate import GATE_CANNOT_RUN, GATE_NOT_FOUND, gate_said
 from ..contain.helpers import HelperKind, Place, run_bounded, run_contained
 from ..contain.identity import Identity
 from ..contain.userslots import UserSlots
@@ -110,7 +111,7 @@ def _start_refusal(python: str, who: str, exc: OSError) -> str:
     return f"python {python} cannot be started as {who}: {exc.strerror or exc}"
 
 
-_GATE_FAILED = re.compile(rb"^ddpd: cannot start .* \[Errno (\d+)\] ([^\n:]*)", re.MULTILINE)
+_GATE_FAILED = {GATE_NOT_FOUND: errno.ENOENT, GATE_CANNOT_RUN: errno.EACCES}  # the gate's statuses, as errno
 
 
 def check_interpreter(
@@ -139,10 +140,11 @@ def check_interpreter(
         return f"python {python} did not finish `{INTERPRETER_CHECK}` within {timeout:g} s as {who}"
     if returncode == 0:
         return None
-    gate = _GATE_FAILED.search(tail) if place is not None else None
-    if gate is not None:  # the gate could not exec it (as the user)
-        return _start_refusal(python, who, OSError(int(gate.group(1)), gate.group(2).decode(errors="replace")))
     err = tail.decode(errors="replace")
+    said = err.strip().splitlines()[-1] if err.strip() else ""
+    if place is not None and returncode in _GATE_FAILED and gate_said(said):
+        # the gate could not exec it as the user (env's words, or the Python gate's: the kernel's errno)
+        return _start_refusal(python, who, OSError(_GATE_FAILED[returncode], said.rpartition(": ")[2]))
     missing = _MISSING.search(err)
     if missing:
         module = missing.group(1)
