@@ -12,6 +12,12 @@ alternating the two in every repetition, each after the same settle (benchmarks/
   it wrote just before until every rank reports a step after the one the group resumed at
   (``rank.replaced``, then ``rank.progress``), and the steps lost. The refills of the interpreter
   pool are behind the first job then: the case of a busy box.
+- **a new key** (fork server daemon only): a 2-rank classic job with a start-up variable no job had
+  (``TORCH_DDPD_BENCH_KEY``: a new pool key) runs cold while its key's server starts beside it:
+  submit → RUNNING; the server's own start (spawned → ready, its ``pool.worker_ready`` line); and
+  the key's next job through the server, submit → RUNNING. Had the first job waited for the server,
+  it would have been RUNNING no sooner than the server's start plus a warm start: the two sums
+  are printed side by side.
 - **memory**: after the 8-rank repetitions, the proportional memory (Pss, smaps_rollup) of one
   pool interpreter (the fork server), and of the key's whole pool: the ready interpreters, or the
   server and the spares it forked ahead (as many as the last job's ranks: 8).
@@ -83,6 +89,49 @@ async def replaced_after(ctx: Ctx, d: Daemon) -> tuple[float, float]:
             await d.client.wait(job_id)
 
 
+def _log_events(d: Daemon, name: str) -> list[dict[str, object]]:
+    found = []
+    for line in d.log_path.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == name:
+            found.append(e)
+    return found
+
+
+async def server_started(d: Daemon, before: int) -> float:
+    """Seconds from the spawn of the next fork server after the first `before` ready lines to its
+    ready line (the log is read until it is there, bounded)."""
+    with anyio.fail_after(120):
+        while True:
+            ready = [e for e in _log_events(d, "pool.worker_ready") if e.get("server")]
+            if len(ready) > before:
+                return float(ready[before]["seconds"])  # type: ignore[arg-type]
+            await anyio.sleep(0.05)
+
+
+async def new_key_after(d: Daemon) -> tuple[float, float, float]:
+    """A new key's first job (cold, its server starting beside it), its server's start, and the
+    key's next job through the server: three submit → RUNNING or start times, in seconds."""
+    servers = len([e for e in _log_events(d, "pool.worker_ready") if e.get("server")])
+    spec = JobSpec(name="bench-newkey", task="two-layer", nproc=2, steps=20, workdir=str(REPO),
+                   env={"TORCH_DDPD_BENCH_KEY": str(time.time_ns())})
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        job_id = await d.client.submit(spec)
+        t_running, running = await d.events.wait(job_id, state_is("RUNNING", *FINAL), timeout=300)
+        if running.data.get("to") != "RUNNING":
+            raise BenchError(f"{d.name}: the new key's job ended {running.data.get('to')} before RUNNING")
+        times.append(t_running - t0)
+        await finished(d, job_id)
+        if len(times) == 1:
+            server = await server_started(d, servers)
+    return times[0], server, times[1]
+
+
 def spare_pids(d: Daemon) -> list[int]:
     """Workers a fork server forked ahead and no job took: alive, and still in a pool cgroup."""
     found = []
@@ -121,6 +170,9 @@ async def bench_forkserver(ctx: Ctx) -> None:
     start = ctx.results.metric("forkserver_running", "fork server", f"{RANKS} ranks: submit → RUNNING", "s")
     back = ctx.results.metric("forkserver_replace", "fork server", "back to back: SIGKILL → training again", "s")
     lost = ctx.results.metric("forkserver_lost", "fork server", "back to back: steps lost", "steps")
+    cold = ctx.results.metric("forkserver_newkey", "fork server", "a new key's first job: submit → RUNNING", "s")
+    server = ctx.results.metric("forkserver_server_start", "fork server", "its server: spawned → ready", "s")
+    warm = ctx.results.metric("forkserver_newkey_next", "fork server", "the key's next job: submit → RUNNING", "s")
     daemons: dict[str, Daemon] = {}
     try:
         daemons[INTERP] = await start_daemon(ctx.base, "ddpd-interp", config={"cpu_slots": RANKS,
@@ -153,6 +205,16 @@ async def bench_forkserver(ctx: Ctx) -> None:
             hot: list[tuple[str, Callable[[], Awaitable[tuple[float, float]]]]] = [
                 (name, partial(replaced_after, ctx, d)) for name, d in daemons.items()]
             await ctx.alternate(reps, hot, record, [back, lost], daemons=list(daemons.values()))
+
+            def record_key(name: str, value: tuple[float, float, float]) -> str:
+                cold.add(name, value[0])
+                server.add(name, value[1])
+                warm.add(name, value[2])
+                return (f"first job cold {value[0]:.3f}s; server ready {value[1]:.3f}s + next job "
+                        f"{value[2]:.3f}s = {value[1] + value[2]:.3f}s through it")
+
+            await ctx.alternate(reps, [(FORK, partial(new_key_after, daemons[FORK]))], record_key,
+                                [cold, server, warm], daemons=list(daemons.values()))
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
