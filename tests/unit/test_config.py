@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import msgspec
 import pytest
 import structlog
 
-from ddpd.cli.specs import TIMEOUT_OPTIONS, spec_from_options
-from ddpd.daemon.config import Config, ConfigError, JobTimeouts, check_config, load_config, reloaded, restart_only
+from ddpd.daemon.config import Config, ConfigError, check_config, load_config, reloaded, restart_only
 from ddpd.protocol import Timeouts
 
 
@@ -151,23 +149,8 @@ def test_a_reload_keeps_the_restart_only_keys_and_names_them(tmp_path: Path) -> 
     assert not {"max_running", "log_level", "defaults", "worker_command", "cpu_slots"} & set(restart_only())
     old = Config(state_dir=tmp_path / "a", socket=tmp_path / "s")
     new = Config(state_dir=tmp_path / "b", socket=tmp_path / "s", max_running=3, pool_size=0,
-                 defaults=JobTimeouts(join=7.0))
+                 defaults=Timeouts(join=7.0))
     applied, changed, ignored = reloaded(old, new)
     assert applied.state_dir == tmp_path / "a" and applied.pool_size == old.pool_size
     assert applied.max_running == 3 and applied.defaults.join == 7.0
     assert changed == ["defaults", "max_running"] and sorted(ignored) == ["pool_size", "state_dir"]
-
-
-def test_the_timeouts_are_one_declaration() -> None:
-    """A job's timeouts (protocol), the [defaults] table (config) and the resolved timeouts share one type."""
-    assert Config().defaults == JobTimeouts()
-    assert Timeouts.__struct_fields__ == JobTimeouts.__struct_fields__
-    assert JobTimeouts().resolve(Timeouts(join=1.0, wall=9.0)) == JobTimeouts(join=1.0, wall=9.0)
-    with pytest.raises(msgspec.ValidationError, match=r"\$\.join"):
-        msgspec.convert({"join": 0}, Timeouts)
-    with pytest.raises(msgspec.ValidationError, match=r"\$\.join"):
-        msgspec.convert({"join": 0}, JobTimeouts)
-    # ddpctl submit's options are made from the same keys
-    assert tuple(TIMEOUT_OPTIONS) == Timeouts.__struct_fields__
-    spec = spec_from_options({"join_timeout": 5.0, "wall_time": 60.0, "kill_grace": 2.0}, ())
-    assert spec.timeouts == Timeouts(join=5.0, wall=60.0, kill_grace=2.0)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ddpd.daemon.config import JobTimeouts
+from ddpd.daemon.config import Config
 from ddpd.daemon.gpu import gpus, rankenv
 from ddpd.daemon.gpu.gpus import GpuInfo, NvmlUnavailable
 from ddpd.protocol import Timeouts
@@ -196,7 +196,8 @@ def test_discover_never_imports_torch_in_the_calling_process() -> None:
 
 
 def test_every_job_gets_a_collective_timeout_and_gpu_jobs_the_flight_recorder(tmp_path: Path) -> None:
-    timeouts = JobTimeouts(join=30.0, heartbeat=5.0, progress=60.0, kill_grace=4.0).resolve(Timeouts())
+    defaults = Config(defaults=Timeouts(join=30.0, heartbeat=5.0, progress=60.0, kill_grace=4.0)).defaults
+    timeouts = Timeouts().over(defaults)
     cpu = rankenv.rank_defaults(timeouts, tmp_path, gpus=False)
     # after the daemon's own diagnosis (progress 60 + heartbeat 5) and teardown (grace 4), by a minute
     assert cpu == {"DDPD_COLLECTIVE_TIMEOUT": f"{60 + 5 + 4 + 60:g}"}
@@ -213,5 +214,5 @@ def test_every_job_gets_a_collective_timeout_and_gpu_jobs_the_flight_recorder(tm
 
 def test_collective_timeout_outlasts_the_join_timeout_and_the_job_s_own_timeouts_win() -> None:
     spec = Timeouts(join=300.0, progress=20.0, heartbeat=2.0, kill_grace=1.0)
-    assert rankenv.collective_timeout(JobTimeouts().resolve(spec)) == 300 + 2 + 1 + rankenv.COLLECTIVE_MARGIN
-    assert rankenv.collective_timeout(JobTimeouts().resolve(Timeouts())) == 600 + 10 + 5 + rankenv.COLLECTIVE_MARGIN
+    assert rankenv.collective_timeout(spec.over(Config().defaults)) == 300 + 2 + 1 + rankenv.COLLECTIVE_MARGIN
+    assert rankenv.collective_timeout(Timeouts().over(Config().defaults)) == 600 + 10 + 5 + rankenv.COLLECTIVE_MARGIN

@@ -20,22 +20,14 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
-from ddpd.client import BUILTIN_TASKS, JobSpec, build_spec, current_umask
+from ddpd.client import BUILTIN_TASKS, JobSpec, Timeouts, build_spec, current_umask
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
-# the submit option of each key of Timeouts (protocol.timeouts declares the keys and their bounds)
-TIMEOUT_OPTIONS: dict[str, tuple[str, str]] = {
-    "join": ("--join-timeout", "Seconds for every rank to join."),
-    "heartbeat": ("--heartbeat-timeout", "Seconds without any frame from a rank before it counts as hung."),
-    "progress": ("--progress-timeout", "Seconds without a step before the job counts as hung."),
-    "wall": ("--wall-time", "Wall-clock limit of the job in seconds."),
-    "kill_grace": ("--kill-grace", "Seconds between SIGTERM and SIGKILL."),
-    "stop_warning": ("--stop-warning", "Seconds before the wall time at which ranks are asked to checkpoint and stop."),
-}
-_TIMEOUTS = {flag[2:].replace("-", "_"): key for key, (flag, _) in TIMEOUT_OPTIONS.items()}  # click's name: key
+# click's name of each timeout option: its key (Timeouts declares the keys, bounds, flags and help)
+_TIMEOUTS = {key.flag[2:].replace("-", "_"): name for name, key in Timeouts.keys().items()}
 ENVIRON_BUDGET = 48 * 1024  # bytes of the exported environment: a submit request is at most 64 KiB
 _PLAIN = ("name", "task", "nproc", "oversubscribe", "backend", "device", "gpus_per_rank", "steps", "seed",
           "max_restarts", "hot_replace", "checkpoint_every", "priority", "cpus", "log_max", "nnodes", "rdzv_endpoint",
@@ -104,7 +96,7 @@ _OPTIONS: list[Callable[[F], F]] = [
                  help="GPUs per rank: a whole number, or a fraction below 1 (0.5: two ranks share a GPU)."),
     click.option("--steps", type=int, default=None, metavar="N", help="Training steps of a built-in task."),
     click.option("--seed", type=int, default=None, metavar="N"),
-    *(_seconds(flag, help) for flag, help in TIMEOUT_OPTIONS.values()),
+    *(_seconds(key.flag, key.help) for key in Timeouts.keys().values()),
     click.option("--max-restarts", type=int, default=None, metavar="N"),
     click.option("--hot-replace", type=int, default=None, metavar="N",
                  help="Ranks of a built-in task that may die and be replaced in place while the others keep "

@@ -3,8 +3,9 @@
 `Config` is one frozen msgspec struct: each field is a key of the config file with its default,
 its type and range (msgspec.Meta), and RESTART where a reload cannot change it (`restart_only`).
 The file is converted through it, and the merged result (file and flags) is converted again, so
-any problem is one ConfigError whose message names the key. The `[defaults]` table is the job
-timeouts' own type (protocol.timeouts.JobTimeouts), the one a job spec's timeouts resolve against.
+any problem is one ConfigError whose message names the key. The `[defaults]` table is a job's
+timeouts' own type (protocol.timeouts.Timeouts), the one a job spec's timeouts resolve against;
+the keys it leaves out take the built-in values.
 A metrics token may come from `metrics_token_file`, which must be a regular file owned by the
 daemon's user or root and readable by no one else; a config file that holds `metrics_token`
 itself and is readable by others is reported with a warning.
@@ -26,10 +27,10 @@ import msgspec
 
 from ..protocol.paths import daemon_socket_path, daemon_state_dir
 from ..protocol.spec import PRIORITY_LIMIT
-from ..protocol.timeouts import JobTimeouts
+from ..protocol.timeouts import Timeouts, need
 from .logs import warn_early
 
-__all__ = ["RESTART", "Config", "ConfigError", "JobTimeouts", "check_config", "load_config",
+__all__ = ["RESTART", "Config", "ConfigError", "check_config", "load_config",
            "read_secret", "reloaded", "restart_only"]
 
 DAY = 86400.0
@@ -157,8 +158,12 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     notify_url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048, pattern=r"^https?://")] | None = None
     # seconds one run of a notification hook may take (then killed; retried once)
     notify_timeout: Annotated[float, msgspec.Meta(ge=1, le=600)] = 30.0
-    defaults: JobTimeouts = msgspec.field(default_factory=JobTimeouts)  # the [defaults] table
+    defaults: Timeouts = msgspec.field(default_factory=Timeouts.builtin)  # the [defaults] table
     config_file: Path | None = None  # the file read (set by load_config, never a key of the file)
+
+    def __post_init__(self) -> None:
+        # a [defaults] table that gives some keys: the others are the built-in values, never None
+        msgspec.structs.force_setattr(self, "defaults", self.defaults.over(Timeouts.builtin()))
 
     def with_overrides(self, **kw: Any) -> Config:
         return msgspec.structs.replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -295,8 +300,8 @@ def check_config(cfg: Config) -> None:
     lo, hi = cfg.priority_range
     if lo > hi:
         raise ConfigError(f"priority_range: low end {lo} is above the high end {hi}")
-    if cfg.defaults.kill_grace > cfg.max_kill_grace:
-        raise ConfigError(f"defaults.kill_grace: {cfg.defaults.kill_grace:g}s is above max_kill_grace "
+    if (grace := need(cfg.defaults.kill_grace)) > cfg.max_kill_grace:
+        raise ConfigError(f"defaults.kill_grace: {grace:g}s is above max_kill_grace "
                           f"({cfg.max_kill_grace:g}s)")
     if cfg.metrics_listen is not None:
         host, _ = parse_listen(cfg.metrics_listen)

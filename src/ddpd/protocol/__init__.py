@@ -9,7 +9,7 @@ from .errors import ErrorCode, RemoteError
 from .framing import MAX_DEPTH, MAX_FRAME, MAX_REQUEST, PROTOCOL_VERSION, Decoder, FrameError, LineSplitter, encode
 from .spec import BUILTIN_TASKS, DEFAULT_UMASK, JobSpec, SpecError, check_spec, current_umask
 from .states import JobState, RankState, TransitionError, check_job_transition, check_rank_transition
-from .timeouts import JobTimeouts, Timeouts
+from .timeouts import Timeouts
 from .worker import RESERVED_ENV, RESERVED_ENV_PREFIXES
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "FrameError",
     "JobSpec",
     "JobState",
-    "JobTimeouts",
     "LineSplitter",
     "RankState",
     "RemoteError",

@@ -1,15 +1,18 @@
-"""A job's timeouts, declared once: the keys, their bounds and the daemon's built-in values.
+"""A job's timeouts, declared once: the keys, their bounds, their built-in values and their help.
 
-`JobTimeouts` is every timeout set: the daemon's `[defaults]` table (its field defaults are the
-built-in values) and a job's resolved timeouts (`JobTimeouts.resolve`), what the scheduler, the
-attempt's deadlines and teardown, and the ranks' collective timeout read. `Timeouts` is the part
-a job spec asks for: the same keys with the same bounds, each None where the daemon's default
-applies. The submit options of ddpctl are made from `Timeouts`' fields (cli/specs.py).
+`Timeouts` is one type for three uses. In a job spec each key is None where the daemon's default
+applies (that spec's wire and job-file format). The daemon's `[defaults]` table is a `Timeouts` too;
+the config fills the keys it leaves out with the built-in values (`Timeouts.builtin`). A job's
+resolved timeouts are `spec.over(defaults)`: every key set except `wall`, whose None stays "no
+wall-time limit". Consumers read a resolved key through `need`, which gives mypy a `float`.
+ddpctl submit's options (flag and help) are made from the same declaration (`Timeouts.keys`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+import typing
+from typing import Annotated, NamedTuple
 
 import msgspec
 
@@ -17,30 +20,47 @@ WEEK = 7 * 24 * 3600.0
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=WEEK)]
 
 
-class Timeouts(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """Per-job timeouts in seconds; None takes the daemon's default."""
+class Key(NamedTuple):
+    """What a timeout key is besides its type: ddpctl submit's option, the built-in value, the help."""
 
-    join: Seconds | None = None  # for every rank to join
-    heartbeat: Seconds | None = None  # without any frame from a rank before it counts as hung
-    progress: Seconds | None = None  # without a step before the job counts as hung
-    wall: Seconds | None = None  # wall-clock limit of the job
-    kill_grace: Seconds | None = None  # between SIGTERM and SIGKILL
-    stop_warning: Seconds | None = None  # before the wall time at which ranks are asked to stop
+    flag: str
+    builtin: float | None  # None: no limit (wall only)
+    help: str
 
 
-class JobTimeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Every timeout, in seconds (wall None: no wall-time limit); the defaults are the built-in values."""
+class Timeouts(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A job's timeouts in seconds; None takes the daemon's default (in `over`'s result: no limit)."""
 
-    join: Seconds = 120.0
-    heartbeat: Seconds = 10.0
-    progress: Seconds = 600.0
-    wall: Seconds | None = None
-    kill_grace: Seconds = 5.0
-    stop_warning: Seconds = 30.0
+    join: Annotated[Seconds | None, Key("--join-timeout", 120.0, "Seconds for every rank to join.")] = None
+    heartbeat: Annotated[Seconds | None, Key(
+        "--heartbeat-timeout", 10.0, "Seconds without any frame from a rank before it counts as hung.")] = None
+    progress: Annotated[Seconds | None, Key(
+        "--progress-timeout", 600.0, "Seconds without a step before the job counts as hung.")] = None
+    wall: Annotated[Seconds | None, Key("--wall-time", None, "Wall-clock limit of the job in seconds.")] = None
+    kill_grace: Annotated[Seconds | None, Key("--kill-grace", 5.0, "Seconds between SIGTERM and SIGKILL.")] = None
+    stop_warning: Annotated[Seconds | None, Key(
+        "--stop-warning", 30.0, "Seconds before the wall time at which ranks are asked to checkpoint and stop.")] = None
 
-    def resolve(self, spec: Timeouts) -> JobTimeouts:
-        """A job's timeouts: its spec's where it sets them, these elsewhere."""
-        return JobTimeouts(join=spec.join or self.join, heartbeat=spec.heartbeat or self.heartbeat,
-                           progress=spec.progress or self.progress, wall=spec.wall or self.wall,
-                           kill_grace=spec.kill_grace or self.kill_grace,
-                           stop_warning=spec.stop_warning or self.stop_warning)
+    @staticmethod
+    @functools.cache
+    def keys() -> dict[str, Key]:
+        """Each key's flag, built-in value and help, in declaration order."""
+        hints = typing.get_type_hints(Timeouts, include_extras=True)
+        return {name: typing.get_args(hints[name])[1] for name in Timeouts.__struct_fields__}
+
+    @staticmethod
+    def builtin() -> Timeouts:
+        """The built-in values: the `[defaults]` table of a config file that gives none."""
+        return Timeouts(**{name: key.builtin for name, key in Timeouts.keys().items()})
+
+    def over(self, defaults: Timeouts) -> Timeouts:
+        """These timeouts where they are set, `defaults`' elsewhere."""
+        return msgspec.structs.replace(defaults, **{name: value for name, value in msgspec.structs.asdict(self).items()
+                                                    if value is not None})
+
+
+def need(seconds: float | None) -> float:
+    """A key of resolved timeouts (`over` the config's defaults), which sets every key but `wall`."""
+    if seconds is None:
+        raise ValueError("a timeout of unresolved timeouts: resolve them with Timeouts.over first")
+    return seconds

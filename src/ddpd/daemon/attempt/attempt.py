@@ -36,8 +36,9 @@ import structlog
 from ...protocol.control import RootCause, StacksResult
 from ...protocol.limits import clip_text
 from ...protocol.spec import hot_replacements
+from ...protocol.timeouts import Timeouts, need
 from ...protocol.worker import attempt_marker, marker_entry
-from ..config import Config, JobTimeouts
+from ..config import Config
 from ..contain.cgroups import Cgroup, Subtree
 from ..contain.identity import Identity, UnknownUser
 from ..contain.joblimits import LimitsOutcome, apply_limits, wanted
@@ -76,7 +77,7 @@ def boot_ticks() -> int:
 
 
 class Attempt:
-    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: JobTimeouts,
+    def __init__(self, config: Config, journal: Journal, job: Job, number: int, timeouts: Timeouts,
                  pool: WarmPool | None = None, clock: Clock | None = None, subtree: Subtree | None = None,
                  nodes: NodeSession | None = None) -> None:
         self.config = config
@@ -95,11 +96,12 @@ class Attempt:
                              opener=functools.partial(open_user_file, config.state_dir, job.owner_uid))
         if job.spec.script is not None and config.stop_signal != "none":  # built-in tasks stop by the API alone
             self.gang.stop_signal = signal.Signals[config.stop_signal].value
-        self.limits = Limits(join=timeouts.join, heartbeat=timeouts.heartbeat, progress=timeouts.progress,
-                             heartbeat_interval=config.heartbeat_interval, wall=timeouts.wall,
-                             stop_warning=timeouts.stop_warning, failed_exit=timeouts.kill_grace)
+        self.limits = Limits(join=need(timeouts.join), heartbeat=need(timeouts.heartbeat),
+                             progress=need(timeouts.progress), heartbeat_interval=config.heartbeat_interval,
+                             wall=timeouts.wall, stop_warning=need(timeouts.stop_warning),
+                             failed_exit=need(timeouts.kill_grace))
         self.supervisor = Supervisor(job, journal, number, self.clock, self.limits, self.gang,
-                                     heartbeat_interval=config.heartbeat_interval, kill_grace=timeouts.kill_grace,
+                                     heartbeat_interval=config.heartbeat_interval, kill_grace=need(timeouts.kill_grace),
                                      nodes=nodes)
         self._events: Events | None = None  # the send side of the attempt's stream, while it runs
         self._starter: Starter | None = None

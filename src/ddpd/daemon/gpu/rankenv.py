@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..config import JobTimeouts
+from ...protocol.timeouts import Timeouts, need
 
 TRACE_BUFFER_SIZE = 2000  # NCCL flight recorder entries per rank
 # the worker reads the same name (ddpd.worker.loop.COLLECTIVE_TIMEOUT_ENV)
@@ -26,7 +26,7 @@ COLLECTIVE_MARGIN = 60.0  # seconds past the daemon's own hang detection and tea
 NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # torch appends the rank
 
 
-def collective_timeout(timeouts: JobTimeouts) -> float:
+def collective_timeout(timeouts: Timeouts) -> float:
     """Seconds a rank's collective may wait before NCCL (or gloo) gives up on it.
 
     Past the daemon's own diagnosis: a stuck rank is found by the progress timeout (or the join
@@ -35,8 +35,8 @@ def collective_timeout(timeouts: JobTimeouts) -> float:
     so the daemon names the stuck rank before a waiting peer fails with a timeout of its own; it
     still ends a wait that nothing else would (a daemon with the progress watch off).
     """
-    detect = max(timeouts.progress, timeouts.join) + timeouts.heartbeat
-    return detect + timeouts.kill_grace + COLLECTIVE_MARGIN
+    detect = max(need(timeouts.progress), need(timeouts.join)) + need(timeouts.heartbeat)
+    return detect + need(timeouts.kill_grace) + COLLECTIVE_MARGIN
 
 
 def nccl_env(attempt_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -57,7 +57,7 @@ def nccl_env(attempt_dir: str | os.PathLike[str]) -> dict[str, str]:
     }
 
 
-def rank_defaults(timeouts: JobTimeouts, attempt_dir: str | os.PathLike[str], *, gpus: bool,
+def rank_defaults(timeouts: Timeouts, attempt_dir: str | os.PathLike[str], *, gpus: bool,
                   hot_replace: bool = False) -> dict[str, str]:
     """What every rank of an attempt starts with before the job's own ``env``: the collective
     timeout (``DDPD_COLLECTIVE_TIMEOUT``, `collective_timeout`: CPU jobs too, the built-in loop and

@@ -24,8 +24,9 @@ import structlog
 
 from ...protocol import JobState
 from ...protocol.spec import is_multinode
+from ...protocol.timeouts import Timeouts, need
 from ..attempt.attempt import Attempt, Outcome
-from ..config import Config, JobTimeouts
+from ..config import Config
 from ..contain.cgroups import Subtree
 from ..multinode.nodes import NodeSession
 from ..pool.pool import WarmPool
@@ -149,8 +150,9 @@ class JobRunner:
 
     async def _attempts(self) -> RunEnd:
         job = self.job
-        timeouts = self.sup.config.defaults.resolve(job.spec.timeouts)
-        nodes = NodeSession(job.spec, self.sup.config.port_range, timeouts.join) if is_multinode(job.spec) else None
+        timeouts = job.spec.timeouts.over(self.sup.config.defaults)
+        join = need(timeouts.join)
+        nodes = NodeSession(job.spec, self.sup.config.port_range, join) if is_multinode(job.spec) else None
         if nodes is not None:
             job.nodes = nodes.nodes
         try:
@@ -161,7 +163,7 @@ class JobRunner:
                     final = job.state.final
                     await nodes.close(job.state.value.lower() if final else "stopped", final=final)
 
-    async def _attempt_loop(self, timeouts: JobTimeouts, nodes: NodeSession | None) -> RunEnd:
+    async def _attempt_loop(self, timeouts: Timeouts, nodes: NodeSession | None) -> RunEnd:
         job, journal = self.job, self.sup.journal
         while True:
             self._preempt = None  # an attempt that ended otherwise (failed, restarts) was not preempted
@@ -189,7 +191,7 @@ class JobRunner:
                     await journal.job_state(job, new, outcome.reason, finish=False, root_cause=_rc(outcome))
                     return await self._end(nodes)
 
-    async def _start_attempt(self, timeouts: JobTimeouts, nodes: NodeSession | None) -> Attempt:
+    async def _start_attempt(self, timeouts: Timeouts, nodes: NodeSession | None) -> Attempt:
         job, sup = self.job, self.sup
         job.attempt += 1
         job.ranks = []
