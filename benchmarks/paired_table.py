@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 REFERENCES = ("torchrun", "torchrun (batch)")
+FORKED, COLD = "ddpd (forked)", "ddpd (cold)"  # the same script on forked ranks, and on fresh interpreters
 
 
 def median_interval(values: Sequence[float]) -> tuple[float, float]:
@@ -55,6 +56,8 @@ def summarise(model: str, rates: Mapping[str, list[float]], policies: Mapping[st
         for name in rates:
             if name != reference and (summary := ratio_summary(rates[name], rates[reference])) is not None:
                 table[name] = summary
+    if FORKED in rates and COLD in rates:  # the fork server's ranks against fresh interpreters
+        out["forked_vs_cold"] = ratio_summary(rates[FORKED], rates[COLD])
     for name, summary in out["vs"].get(REFERENCES[0], {}).items():
         out["ratios"][name] = summary["values"]
         out["ratio"][name] = {k: summary[k] for k in ("median", "low95", "high95")}
@@ -90,5 +93,8 @@ def describe(result: dict[str, Any]) -> str:
     policy = result["vs"].get(REFERENCES[0], {}).get(REFERENCES[1])
     if policy is not None:  # the same launcher, the policy alone
         lines.append(f"  the policy alone here (torchrun at SCHED_BATCH over torchrun): {_ratio_cell(policy)}")
+    if result.get("forked_vs_cold") is not None:
+        lines.append(f"  forked ranks over cold ranks (the same script, per round): "
+                     f"{_ratio_cell(result['forked_vs_cold'])}")
     lines += [f"  FAILED {name}: {why}" for name, why in result["failed"].items()]
     return "\n".join(lines)

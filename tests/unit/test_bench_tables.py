@@ -30,6 +30,14 @@ def test_paired_table_compares_with_both_torchruns_and_names_policies() -> None:
     assert "the policy alone here (torchrun at SCHED_BATCH over torchrun): 1.829x [1.806-1.849] n=3" in text
 
 
+def test_forked_ranks_are_compared_with_cold_ones_round_by_round() -> None:
+    rates = {"torchrun": [1.0, 1.0, 1.0], "ddpd (forked)": [99.0, 101.0, 50.0], "ddpd (cold)": [100.0, 100.0, 50.0]}
+    result = summarise("tiny", rates, {}, {}, 2, 2)
+    assert result["forked_vs_cold"]["values"] == [0.99, 1.01, 1.0]
+    assert "forked ranks over cold ranks (the same script, per round): 1.000x [0.990-1.010] n=3" in describe(result)
+    assert "forked_vs_cold" not in summarise("tiny", {"torchrun": [1.0], "ddpd (cold)": [1.0]}, {}, {}, 2, 2)
+
+
 def test_every_core_busy_is_said() -> None:
     result = summarise("tiny", {"torchrun": [1.0], "ddpd": [1.0]}, {}, {}, 2, 2)
     assert "every core busy while a side runs" in describe(result)
