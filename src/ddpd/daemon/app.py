@@ -180,7 +180,7 @@ class Daemon:
                 host, port = parse_listen(cfg.metrics_listen)
                 metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
             listener = await self._listen()
-            server = ControlServer(jobs, self.info, self.reload, curves)
+            server = ControlServer(jobs, self.info, self.reload, curves, pool=self.pool)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
                 tg.start_soon(reap_forever)  # a subreaper: every inherited zombie is reaped

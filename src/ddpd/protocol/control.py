@@ -25,6 +25,7 @@ from .views import (
     JobPage,
     JobView,
     LogChunk,
+    PoolServerView,
     RankGpu,
     RankStacks,
     RankView,
@@ -41,8 +42,8 @@ from .views import (
 # the replies' shapes (protocol.views), re-exported: one surface for the control protocol
 __all__ = [
     "CancelResult", "CurvePoint", "CurveResult", "DaemonInfo", "EventView", "GpuReleaseResult", "GpuView",
-    "JobPage", "JobView", "LogChunk", "RankGpu", "RankStacks", "RankView", "RemoveResult", "RootCause",
-    "ShareResult", "ShareView", "StackGroup", "StacksResult", "SubmitResult", "WhoAmI",
+    "JobPage", "JobView", "LogChunk", "PoolServerView", "RankGpu", "RankStacks", "RankView", "RemoveResult",
+    "RootCause", "ShareResult", "ShareView", "StackGroup", "StacksResult", "SubmitResult", "WhoAmI",
 ]
 
 LIST_LIMIT = 500  # jobs in one page of `list` at most (a page also ends before the frame limit)

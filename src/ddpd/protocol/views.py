@@ -157,6 +157,26 @@ class CancelResult(msgspec.Struct):
     job: JobView
 
 
+class PoolServerView(msgspec.Struct, omit_defaults=False):
+    """One fork server of the warm pool (``pool_fork_server``) as `ddpctl daemon` shows it. Its key (the
+    user's interpreter and a digest of the start-up environment the pool keys it by) and its pid are
+    for its user, root and the admin group; to anyone else they are None, and only the counts show.
+    `pss`: bytes of proportional set size of the server and its ready spares (/proc/PID/smaps_rollup;
+    None: unknown, the read did not finish in time); `idle`: seconds since a job of its key last
+    started (None: its key is being forgotten)."""
+
+    uid: int
+    state: str  # "starting" (importing torch) or "ready" (forking)
+    user: str | None = None  # the uid's name in passwd
+    pid: int | None = None
+    python: str | None = None  # the interpreter its key was learned from
+    env: str | None = None  # digest of the key's start-up environment (12 hex digits)
+    pss: int | None = None
+    forks: int = 0  # workers it forked (spares included)
+    spares: int = 0  # workers it forked ahead, ready for the next job's ranks
+    idle: float | None = None
+
+
 class DaemonInfo(msgspec.Struct):
     version: str
     protocol: int
@@ -174,6 +194,8 @@ class DaemonInfo(msgspec.Struct):
     pool_state: str | None = None  # the warm pool in words: "warm (2 ready)", "cold (busy)", "off"
     gpu_devices: list[GpuView] = msgspec.field(default_factory=list)
     gpu_note: str | None = None  # why gpu_devices is empty on a daemon with GPUs (NVML unavailable...)
+    # the fork servers (a daemon without them, or older than them: empty)
+    pool_servers: list[PoolServerView] = msgspec.field(default_factory=list)
 
 
 class GpuReleaseResult(msgspec.Struct):

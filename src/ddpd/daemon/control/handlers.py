@@ -17,7 +17,7 @@ import os
 import pwd
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, assert_never
 
 import anyio
@@ -78,6 +78,7 @@ from ..store.errors import (
 )
 from ..store.records import Job
 from .interpreters import InterpreterChecks
+from .poolview import PoolServers
 from .replies import Detail, clip_event, fit_view, job_page, positioned, visible_view
 from .streams import job_events, log_chunks
 from .visibility import detail_for, detail_rule, not_yours, viewer_of, visible_events
@@ -95,6 +96,7 @@ class Context:
     reload: Callable[[], Awaitable[None]]
     curves: CurveStore | None
     interpreters: InterpreterChecks
+    servers: PoolServers = field(default_factory=lambda: PoolServers(None))  # the pool's fork servers
 
 
 def route(ctx: Context, req: Request, uid: int) -> Answer:
@@ -128,7 +130,7 @@ def route(ctx: Context, req: Request, uid: int) -> Answer:
         case Ping():
             return ping()
         case DaemonInfoReq():
-            return daemon_info(ctx)
+            return daemon_info(ctx, uid)
         case Reload():
             return reload(ctx, uid)
         case WhoAmIReq():
@@ -250,9 +252,13 @@ async def ping() -> str:
     return "pong"
 
 
-async def daemon_info(ctx: Context) -> DaemonInfo:
-    """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview)."""
+async def daemon_info(ctx: Context, uid: int) -> DaemonInfo:
+    """The daemon's info with each GPU's memory, utilisation and holders (NVML; see gpuview), and the
+    pool's fork servers (their keys and pids for those who may see their users' jobs' detail)."""
     info = ctx.info()
+    servers = await ctx.servers.views(await _detail(ctx, uid))
+    if servers:
+        info = msgspec.structs.replace(info, pool_servers=servers)
     if info.gpus == 0:
         return info
     devices, note = await daemon_gpus(ctx.jobs.running_jobs(), ctx.jobs.resources)

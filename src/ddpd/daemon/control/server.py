@@ -40,6 +40,7 @@ from ...protocol.control import (
 )
 from ...protocol.limits import clip_text
 from ...protocol.paths import UnsafeSocketDir, make_runtime_dir, user_runtime_dir
+from ..pool.pool import WarmPool
 from ..queue.facade import Jobs
 from ..store.curves import CurveStore
 from ..store.errors import DaemonError
@@ -48,6 +49,7 @@ from . import handlers
 from .door import Door, Privilege, is_daemon_user, peer_closed
 from .handlers import Context
 from .interpreters import InterpreterChecks
+from .poolview import PoolServers
 from .requests import FrameReader, ReadTimeout
 
 log = structlog.get_logger("ddpd")
@@ -94,13 +96,14 @@ def secure_socket(path: Path, mode: int, group: str | None) -> None:
 
 class ControlServer:
     def __init__(self, jobs: Jobs, info: Callable[[], DaemonInfo],
-                 reload: Callable[[], Awaitable[None]], curves: CurveStore | None = None) -> None:
+                 reload: Callable[[], Awaitable[None]], curves: CurveStore | None = None,
+                 pool: WarmPool | None = None) -> None:
         self.jobs = jobs
         self.curves = curves
         self.info = info
         self.reload = reload
         self.context = Context(jobs, info, reload, curves, InterpreterChecks(
-            jobs.subtree, lambda: jobs.config.interpreter_checks_per_user))
+            jobs.subtree, lambda: jobs.config.interpreter_checks_per_user), PoolServers(pool))
         self.door = Door()
         self.privilege = Privilege()
         self.refused = 0  # connections refused for max_connections since start

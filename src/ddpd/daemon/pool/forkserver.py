@@ -91,13 +91,13 @@ async def fork_from(server: PoolWorker, spare: bool = False) -> PoolWorker | Non
         async with server.server.lock:
             got = await _request(server)
         if got is None:
-            _kill(server.pid)  # its watcher reaps it; the pool starts another
+            kill(server.pid)  # its watcher reaps it; the pool starts another
             return None
         child, channel = got
         hello = await _next_frame(channel)
         if not isinstance(hello, Hello) or hello.pid != child.pid:
             channel.close()
-            _kill(child.pid)
+            kill(child.pid)
             await procs.wait_exit(child)
             log.warning("pool.fork_failed", server=server.pid, pid=child.pid, first_frame=type(hello).__name__)
             return None
@@ -142,7 +142,7 @@ async def _next_frame(channel: WorkerChannel) -> WorkerMessage | None:
     return None
 
 
-def _kill(pid: int) -> None:
+def kill(pid: int) -> None:
     """SIGKILL a server or a forked worker and its process group (each leads its own)."""
     procs.kill_group(pid, signal.SIGKILL)
     try:
@@ -167,6 +167,10 @@ class Spares:
         if key is not None:
             return len(self._ready.get(key, ()))
         return sum(len(q) for q in self._ready.values())
+
+    def pids(self, key: PoolKey) -> tuple[int, ...]:
+        """The pids of the spares of `key` ready now."""
+        return tuple(w.pid for w in self._ready.get(key, ()))
 
     def take(self, key: PoolKey) -> PoolWorker | None:
         """A spare of `key`, now the caller's; None when none is ready."""
@@ -226,6 +230,6 @@ class Spares:
             for w in self._ready.pop(key):
                 w.scope.cancel()
                 w.channel.close()
-                _kill(w.pid)
+                kill(w.pid)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(FORK_WAIT):
                     await procs.wait_exit(w.proc)

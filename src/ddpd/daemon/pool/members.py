@@ -1,6 +1,7 @@
 """What the pool holds: a `PoolWorker` (a pooled interpreter, a fork server, or a worker one
-forked), and the kind of helper process its interpreters are (`POOL`: their cgroups' end and the
-sweep of those a killed daemon left behind, `ddpd.daemon.contain.helpers`)."""
+forked), a fork server as ``ddpctl daemon`` shows it (`ServerSnapshot`), and the kind of helper
+process its interpreters are (`POOL`: their cgroups' end and the sweep of those a killed daemon
+left behind, `ddpd.daemon.contain.helpers`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ...protocol.channel import Hello
 from ..contain.cgroups import Cgroup
 from ..contain.helpers import HelperKind
 from .channel import WorkerChannel
-from .poolkeys import PoolKey
+from .poolkeys import Demand, PoolKey
 
 
 class ForkServer:
@@ -43,6 +44,28 @@ class PoolWorker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """A fork server at one moment (`WarmPool.servers`): its key and the interpreter it was learned from,
+    its pid, whether it is ready, the workers it forked, its spares' pids, when its key was last used
+    (monotonic; None: being forgotten)."""
+
+    key: PoolKey
+    python: str
+    pid: int
+    ready: bool
+    forks: int
+    spares: tuple[int, ...]
+    last_used: float | None
+
+    @classmethod
+    def of(cls, w: PoolWorker, demand: Demand | None, spares: tuple[int, ...]) -> ServerSnapshot:
+        """`w` (a fork server), its key's `demand` (None: being forgotten) and its spares' pids."""
+        assert w.server is not None
+        return cls(w.key, demand.shape.argv[0] if demand else w.key.interpreter[1], w.pid, w.hello is not None,
+                   w.server.forks, spares, demand.last_used if demand else None)
 
 
 # a pool interpreter's cgroup (``pool-<n>``): its end kills whatever the interpreter left in it (a

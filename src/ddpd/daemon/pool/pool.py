@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import signal
 import socket
 import time
 from collections import deque
@@ -70,8 +69,8 @@ from ..contain.cgroups import Cgroup, Subtree
 from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
-from .forkserver import Spares, fork_from
-from .members import POOL, ForkServer
+from .forkserver import Spares, fork_from, kill
+from .members import POOL, ForkServer, ServerSnapshot
 from .members import PoolWorker as PoolWorker  # (where the attempt imports them from)
 from .poolkeys import Claims, Demand, PoolKey, Shape, next_expiry, plan
 from .yielding import can_idle, freeze_cgroup, idle_cgroup, pool_state, set_priority
@@ -127,6 +126,11 @@ class WarmPool:
                           self.idle_priority, held=sum(w.held for w in self._starting), servers=self.fork,
                           forks=sum(w.server.forks for q in self._ready.values() for w in q if w.server),
                           spares=self.spares.count())
+
+    def servers(self) -> list[ServerSnapshot]:
+        """Each key's fork server, starting or ready, and its spares (for ``ddpctl daemon``; no I/O)."""
+        return [ServerSnapshot.of(w, self._demand.get(w.key), self.spares.pids(w.key))
+                for w in (*self._starting, *(w for q in self._ready.values() for w in q)) if w.server]
 
     # -- for attempts ----------------------------------------------------------------------
 
@@ -374,12 +378,8 @@ class WarmPool:
                     self._wake.set()
 
     def _kill(self, w: PoolWorker) -> None:
-        if w.proc.returncode is None:  # not reaped yet: the pid is still ours
-            procs.kill_group(w.pid, signal.SIGKILL)  # it leads its own group until assigned
-            try:
-                os.kill(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if w.proc.returncode is None:  # not reaped yet: the pid is still ours (it leads its own group until taken)
+            kill(w.pid)
 
     async def _close(self) -> None:
         self._closing = True
