@@ -1,12 +1,13 @@
-"""How ddpctl shows the daemon and its GPUs: `ddpctl daemon`'s grid (version, slots, pool, each GPU's
-memory, load, holders and quarantine) and a rank's GPUs as the job tables show them. No I/O."""
+"""How ddpctl shows the daemon and its GPUs: `ddpctl daemon`'s grid (version, slots, pool, each fork
+server's key, pid, memory, spares, forks and idle time, each GPU's memory, load, holders and
+quarantine) and a rank's GPUs as the job tables show them. No I/O."""
 
 from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
 
-from ddpd.client import DaemonInfo, GpuView, RankGpu
+from ddpd.client import DaemonInfo, GpuView, PoolServerView, RankGpu
 
 from .words import duration_text, size_text
 
@@ -43,6 +44,23 @@ def gpu_line(g: GpuView) -> str:
     return f"{g.name}{uuid}: {memory}{util}; {held}{others}{draining}"
 
 
+def server_key(s: PoolServerView) -> str:
+    """A fork server's key: "alice /home/alice/venv/bin/python env 3fa2c1d4e5f6"; its user alone
+    ("bob") where the daemon keeps the rest from the viewer."""
+    user = s.user or f"uid {s.uid}"
+    return user if s.python is None else f"{user} {s.python} env {s.env or '?'}"
+
+
+def server_line(s: PoolServerView) -> str:
+    """One fork server for `ddpctl daemon`: key, pid, state, Pss (MiB, "?" where unknown), spares,
+    forks served, idle time."""
+    pid = "" if s.pid is None else f"pid {s.pid}, "
+    pss = "? MiB" if s.pss is None else f"{s.pss / (1 << 20):.0f} MiB"
+    idle = "" if s.idle is None else f", idle {duration_text(s.idle, whole=True)}"
+    return (f"{server_key(s)}: {pid}{s.state}, Pss {pss}, {s.spares} spare{'' if s.spares == 1 else 's'}, "
+            f"{s.forks} fork{'' if s.forks == 1 else 's'} served{idle}")
+
+
 def daemon_grid(info: DaemonInfo) -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
@@ -62,6 +80,7 @@ def daemon_grid(info: DaemonInfo) -> Table:
         rows.append(("pool", info.pool_state))
     elif info.pool_ready is not None:
         rows.append(("warm pool", f"{info.pool_ready} ready"))
+    rows.extend(("fork server", server_line(s)) for s in info.pool_servers)
     rows.extend((f"gpu {gpu_name(g.index, g.mig, '')}", gpu_line(g)) for g in info.gpu_devices)
     if info.gpu_note:
         rows.append(("gpu figures", f"unavailable: {info.gpu_note}"))

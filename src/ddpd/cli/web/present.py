@@ -23,6 +23,7 @@ from ddpd.client import (
     JobState,
     JobView,
     NodeView,
+    PoolServerView,
     RankView,
     RootCause,
     local_ranks,
@@ -30,7 +31,7 @@ from ddpd.client import (
 )
 
 from .. import curves, render
-from ..daemon_view import gpu_name, rank_gpu_text
+from ..daemon_view import gpu_name, rank_gpu_text, server_key
 from ..words import duration_text, size_text
 from . import chart
 from .data import DaemonPage, JobDetail
@@ -189,11 +190,19 @@ def gpu_row(g: GpuView) -> dict[str, Any]:
             "jobs": ", ".join(g.jobs) or "free", "others": g.other_processes}
 
 
+def server_row(s: PoolServerView) -> dict[str, Any]:
+    """A fork server: its key (its user alone where the daemon keeps the rest from the viewer), pid,
+    state, Pss (MiB, "?" unknown), spares, forks served, idle time."""
+    return {"key": server_key(s), "pid": "" if s.pid is None else s.pid, "state": s.state,
+            "pss": "?" if s.pss is None else f"{s.pss / (1 << 20):.0f} MiB", "spares": s.spares, "forks": s.forks,
+            "idle": duration_text(s.idle, whole=True)}
+
+
 def daemon_context(page: DaemonPage) -> dict[str, Any]:
     info = page.info
     return {"info": info, "uptime": duration_text(info.uptime),
             "load": " ".join(f"{v:.2f}" for v in page.load), "cpus": page.cpus,
-            "gpus": [gpu_row(g) for g in info.gpu_devices],
+            "gpus": [gpu_row(g) for g in info.gpu_devices], "servers": [server_row(s) for s in info.pool_servers],
             "queues": [{"user": owner_name(q.uid), "queued": q.queued, "running": q.running, "ranks": q.ranks,
                         "gpus": f"{q.gpus:g}"} for q in page.queues]}
 
