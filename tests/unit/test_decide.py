@@ -12,6 +12,7 @@ from ddpd.daemon.config import Config
 from ddpd.daemon.queue import decide
 from ddpd.daemon.queue.decide import Preempt, Running, Wait
 from ddpd.daemon.queue.fairshare import SHARE_USERS, FairShare, Usage, share_views
+from ddpd.daemon.queue.live import LiveConfig
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.journal import Journal
@@ -140,6 +141,11 @@ def test_usage_decays_by_half_each_half_life_and_charges_what_a_job_holds() -> N
     assert Usage().plus(0.0, 2, 30.0, 30.0, HOUR).cpu_seconds == 60.0
 
 
+def half_life(seconds: float) -> LiveConfig:
+    """A live config with this fair-share half-life (the rest: defaults)."""
+    return LiveConfig(Config(fairshare_half_life=seconds))
+
+
 class _NoJournal:
     saved: dict[int, tuple[float, float, float]] = {}
 
@@ -148,7 +154,7 @@ class _NoJournal:
 
 
 def test_fair_share_charges_running_jobs_on_a_fake_clock() -> None:
-    share = FairShare(_NoJournal(), half_life=0.0)  # type: ignore[arg-type]
+    share = FairShare(_NoJournal(), half_life(0.0))  # type: ignore[arg-type]
     a, b = job(1, nproc=2), job(2, BOB)
     share.start(a, 100.0)
     share.start(b, 110.0)
@@ -163,11 +169,11 @@ def test_fair_share_charges_running_jobs_on_a_fake_clock() -> None:
 async def test_usage_is_saved_and_loaded_through_the_journal(tmp_path: Path) -> None:
     db = StateDB(tmp_path / "ddpd.db")
     try:
-        share = FairShare(Journal(db, EventBus()), half_life=HOUR)
+        share = FairShare(Journal(db, EventBus()), half_life(HOUR))
         a = job(1, nproc=2)
         share.start(a, 0.0)
         await share.save(share.stop(a, 60.0))
-        again = FairShare(Journal(db, EventBus()), half_life=HOUR)  # a daemon restart
+        again = FairShare(Journal(db, EventBus()), half_life(HOUR))  # a daemon restart
         await again.load()
         assert again.usage == {ALICE: Usage(0.0, 120.0, 60.0)}
         assert again.now(60.0 + HOUR)[ALICE].cpu_seconds == pytest.approx(60.0)  # decays from where it was
@@ -176,7 +182,7 @@ async def test_usage_is_saved_and_loaded_through_the_journal(tmp_path: Path) -> 
 
 
 def test_running_charges_are_saved_now_and_then_not_at_every_decision() -> None:
-    share = FairShare(_NoJournal(), half_life=0.0)  # type: ignore[arg-type]
+    share = FairShare(_NoJournal(), half_life(0.0))  # type: ignore[arg-type]
     a = job(1)
     share.start(a, 0.0)
     share.charge([a], 1.0)

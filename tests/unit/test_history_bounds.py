@@ -12,7 +12,7 @@ import pytest
 
 from ddpd.daemon.config import Config, ConfigError, load_config
 from ddpd.daemon.queue import history
-from ddpd.daemon.queue.facade import Jobs
+from ddpd.daemon.queue.facade import JobQueue, Jobs, LiveConfig
 from ddpd.daemon.queue.resources import Resources
 from ddpd.daemon.queue.retention import beyond_bounds, past_bounds
 from ddpd.daemon.store.bus import EventBus
@@ -50,12 +50,12 @@ def test_the_bounds_are_config_keys_with_ranges(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-async def sched(tmp_path: Path) -> AsyncIterator[Jobs]:
+async def queue(tmp_path: Path) -> AsyncIterator[JobQueue]:
     db = StateDB(tmp_path / "ddpd.db")
     config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=3)
-    s = Jobs(config, Journal(db, EventBus()), Resources(0, 4))
-    s.scheduler.accepting = False  # no worker here: the queue starts nothing
-    yield s
+    q = JobQueue(LiveConfig(config), Journal(db, EventBus()), Resources(0, 4))
+    await q.shutdown(force=False)  # no worker here: the queue starts nothing (its other tasks run)
+    yield q
     db.close()
 
 
@@ -65,41 +65,43 @@ async def ended(sched: Jobs, uid: int, **kw: object) -> str:
     return job.id
 
 
-async def test_a_users_oldest_ended_jobs_are_retired_never_another_users(sched: Jobs) -> None:
+async def test_a_users_oldest_ended_jobs_are_retired_never_another_users(queue: JobQueue) -> None:
+    sched, journal = queue.jobs, queue.journal
     bobs = [await ended(sched, BOB) for _ in range(3)]
-    events = sched.journal.bus.subscribe()
+    events = journal.bus.subscribe()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sched.run)
+        tg.start_soon(queue.run)
         anns = [await ended(sched, ANN) for _ in range(5)]
         with anyio.fail_after(10):  # each end of hers wakes the retention task: her fifth one's retirement
             async for event in events:
                 if event.kind == "job.history_retired" and anns[1] in event.data["retired"]:
                     break
         tg.cancel_scope.cancel()
-    assert [j for j, _ in await sched.journal.history_of(ANN)] == anns[-3:]
-    assert [j for j, _ in await sched.journal.history_of(BOB)] == bobs
+    assert [j for j, _ in await journal.history_of(ANN)] == anns[-3:]
+    assert [j for j, _ in await journal.history_of(BOB)] == bobs
     for gone in anns[:2]:
-        assert await sched.lookup(gone) is None and await sched.journal.list_events(gone, 0, 10) == []
-    assert sched.state_counts()[JobState.CANCELLED] == 6
-    retired = [e for e in await sched.journal.list_events(None, 0, 1000) if e.kind == "job.history_retired"]
+        assert await sched.find(gone, missing_ok=True) is None and await journal.list_events(gone, 0, 10) == []
+    assert sched.overview().states[JobState.CANCELLED] == 6
+    retired = [e for e in await journal.list_events(None, 0, 1000) if e.kind == "job.history_retired"]
     assert retired and all(e.job_id in anns for e in retired)  # recorded on her own kept job, nowhere else
-    assert not [e for e in await sched.journal.list_events(None, 0, 1000) if e.job_id is None]
+    assert not [e for e in await journal.list_events(None, 0, 1000) if e.job_id is None]
 
 
-async def test_a_submit_at_the_bound_is_told_and_one_past_it_retires_first(sched: Jobs) -> None:
+async def test_a_submit_at_the_bound_is_told_and_one_past_it_retires_first(queue: JobQueue) -> None:
+    sched, journal = queue.jobs, queue.journal
     first = await sched.submit(SPEC, ANN)
     assert first.notices == []
     await sched.cancel(first.job, "test", force=False)
     ids = [first.job.id]
     for _ in range(3):  # no retention task runs here: her ends are retired only by her submits
         ids.append(await ended(sched, ANN))
-    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids  # past the bound (3) by one
+    assert [j for j, _ in await journal.history_of(ANN)] == ids  # past the bound (3) by one
     done = await sched.submit(SPEC, ANN)
     assert len(done.notices) == 1, done.notices
     notice = done.notices[0]
     assert "your history is at its bound: 3 ended jobs kept" in notice and "max_history_per_user = 3" in notice
     assert notice.endswith(f"retired now: {ids[0]}"), notice
-    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[1:]
+    assert [j for j, _ in await journal.history_of(ANN)] == ids[1:]
     assert (await sched.submit(SPEC, BOB)).notices == []
 
 
@@ -107,17 +109,17 @@ async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> N
     db = StateDB(tmp_path / "ddpd.db")
     config = Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=0,
                     max_history_bytes_per_user=3 * 2200)
-    sched = Jobs(config, Journal(db, EventBus()), Resources(0, 4))
-    sched.scheduler.accepting = False
+    journal = Journal(db, EventBus())
+    sched = JobQueue(LiveConfig(config), journal, Resources(0, 4)).jobs  # never run: nothing starts
     try:
         big = {"environ": {"PAD": "x" * 1500}}
         kept = await ended(sched, ANN, **big)
         waiting = (await sched.submit(JobSpec(task="two-layer", nproc=1, after_any=[kept]), ANN)).job
         others = [await ended(sched, ANN, **big) for _ in range(4)]
-        sizes = dict(await sched.journal.history_of(ANN))
+        sizes = dict(await journal.history_of(ANN))
         assert all(1500 < size <= 2200 for size in sizes.values()), sizes  # the padded environment, counted
         done = await sched.submit(SPEC, ANN)
-        left = await sched.journal.history_of(ANN)
+        left = await journal.history_of(ANN)
         assert [j for j, _ in left] == [kept, others[-2], others[-1]]  # the one waited for stays, and counts
         assert sum(size for _, size in left) <= 3 * 2200 and "max_history_bytes_per_user = 6.45 KiB" in done.notices[0]
         assert waiting.state is JobState.QUEUED
@@ -125,30 +127,33 @@ async def test_bytes_bound_and_a_job_a_queued_one_waits_for(tmp_path: Path) -> N
         db.close()
 
 
-async def test_a_long_backlog_is_retired_a_batch_at_a_time(sched: Jobs, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_long_backlog_is_retired_a_batch_at_a_time(queue: JobQueue, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A bound lowered (or a daemon upgraded) over a long history: a submit waits for one batch only,
     the retention task takes the rest."""
-    sched.reconfigure(Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=0))
+    sched, journal = queue.jobs, queue.journal
+    queue.reconfigure(Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=0))
     ids = [await ended(sched, ANN) for _ in range(7)]
-    sched.reconfigure(Config(state_dir=sched.config.state_dir, socket=sched.config.socket, max_history_per_user=1))
+    queue.reconfigure(Config(state_dir=tmp_path, socket=tmp_path / "s", max_history_per_user=1))
     monkeypatch.setattr(history, "RETIRE_BATCH", 2)
     done = await sched.submit(SPEC, ANN)
     assert done.notices[0].endswith(f"retired now: {ids[0]}, {ids[1]}"), done.notices
-    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[2:]
-    events = sched.journal.bus.subscribe()
+    assert [j for j, _ in await journal.history_of(ANN)] == ids[2:]
+    events = journal.bus.subscribe()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(sched.run)
+        tg.start_soon(queue.run)
         with anyio.fail_after(10):
             async for event in events:
                 if event.kind == "job.history_retired" and ids[5] in event.data["retired"]:
                     break
         tg.cancel_scope.cancel()
-    assert [j for j, _ in await sched.journal.history_of(ANN)] == ids[6:]
+    assert [j for j, _ in await journal.history_of(ANN)] == ids[6:]
 
 
 async def test_the_ended_jobs_of_an_older_database_are_counted_once_at_the_upgrade(tmp_path: Path) -> None:
     db = StateDB(tmp_path / "ddpd.db")
-    sched = Jobs(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(0, 4))
+    sched = JobQueue(LiveConfig(Config(state_dir=tmp_path, socket=tmp_path / "s")), Journal(db, EventBus()),
+                     Resources(0, 4)).jobs
     job_id = await ended(sched, ANN, environ={"PAD": "y" * 3000})
     db.run_sync(lambda c: c.execute("ALTER TABLE jobs DROP COLUMN stored_bytes"))  # as schema 6 had it
     db.close()

@@ -158,3 +158,18 @@ def test_lazy_and_relative_imports_are_read(tmp_path: Path) -> None:
     (pkg / "journal.py").write_text("def f():\n    from ..queue import scheduler\n    from . import bus\n")
     assert imports(tmp_path / "ddpd") == {("ddpd.daemon.store.journal", "ddpd.daemon.queue"),
                                           ("ddpd.daemon.store.journal", "ddpd.daemon.store.bus")}
+
+
+def test_control_reaches_the_queue_through_its_facade_only() -> None:
+    """Control and the metrics endpoint call `queue.facade` (its `Jobs`, the live config, the overview),
+    never a part of the queue (its scheduler, table, runners)."""
+    edges = imports()
+    assert ("ddpd.daemon.control.handlers", "ddpd.daemon.queue.facade") in edges  # the walk sees control's imports
+    assert queue_parts_reached(edges) == []
+    planted = {("ddpd.daemon.control.handlers", "ddpd.daemon.queue.scheduler")}
+    assert queue_parts_reached(planted) == ["ddpd.daemon.control.handlers -> ddpd.daemon.queue.scheduler"]
+
+
+def queue_parts_reached(edges: Iterable[tuple[str, str]]) -> list[str]:
+    return [f"{a} -> {b}" for a, b in sorted(edges) if unit(a) == ("daemon", "control")
+            and unit(b) == ("daemon", "queue") and b != "ddpd.daemon.queue.facade"]

@@ -15,13 +15,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from ddpd.daemon.config import Config
 from ddpd.daemon.control.metrics import Metrics
 from ddpd.daemon.control.samplers import RankTarget, Usage, sample
 from ddpd.daemon.gpu.gpus import GpuInfo
-from ddpd.daemon.queue.facade import Jobs
+from ddpd.daemon.queue.facade import Overview
 from ddpd.daemon.queue.resources import Resources
-from ddpd.daemon.queue.runner import JobRunner
 from ddpd.daemon.store.bus import EventBus
 from ddpd.daemon.store.curves import CurveStore
 from ddpd.daemon.store.journal import Journal
@@ -57,30 +55,36 @@ def child() -> Iterator[subprocess.Popen[bytes]]:
 
 
 @pytest.fixture
-async def sched(tmp_path: Path) -> AsyncIterator[Jobs]:
+async def journal(tmp_path: Path) -> AsyncIterator[Journal]:
     db = StateDB(tmp_path / "ddpd.db")
-    yield Jobs(Config(state_dir=tmp_path, socket=tmp_path / "s"), Journal(db, EventBus()), Resources(GPUS, 4))
+    yield Journal(db, EventBus())
     db.close()
 
 
-def running_job(sched: Jobs, pid: int) -> Job:
+def running_job(pid: int) -> Job:
     job = Job(id="j7-beef", seq=7, name="t", owner_uid=1000, spec=JobSpec(task="two-layer", nproc=2, steps=100),
               state=JobState.RUNNING, submitted_at=time.time(), attempt=1, gpus=["GPU-1"])
     job.ranks = [Rank(rank=0, attempt=1, state=RankState.TRAINING, pid=pid, step=12, last_frame=time.monotonic()),
                  Rank(rank=1, attempt=1, state=RankState.TRAINING, pid=None, step=11, last_frame=time.monotonic())]
-    sched.table.add(job)
-    sched.runners.add(JobRunner(job, sched.supervision))  # started (its runner not run: no worker here)
     return job
 
 
-async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Jobs,
+def overview(job: Job, resources: Resources) -> Overview:
+    """The jobs as the queue's facade shows them with `job` running on `resources` (no worker here)."""
+    states = dict.fromkeys(JobState, 0) | {JobState.RUNNING: 1}
+    return Overview(accepting=True, positions={}, running=(job,), states=states, active=1, queued=0, shares=(),
+                    half_life=0.0, cpu_slots=resources.total_cpu, free_cpu_slots=resources.free_cpu,
+                    gpus=resources.total_gpus, free_gpus=len(resources.free_gpus))
+
+
+async def test_scrape_has_the_daemon_job_rank_and_process_series(journal: Journal,
                                                                  child: subprocess.Popen[bytes]) -> None:
-    job = running_job(sched, child.pid)
-    curves = CurveStore(sched.journal)
+    job, resources = running_job(child.pid), Resources(GPUS, 4)
+    curves = CurveStore(journal)
     for step, loss in ((1, 2.0), (11, 1.0)):
         curves.observe(EventView(seq=0, ts=100.0 + step, kind="rank.progress", job_id=job.id, attempt=1, rank=0,
                                  data={"step": step, "loss": loss}))
-    metrics = Metrics(sched, time.monotonic(), VERSION, curves, gpus=False)
+    metrics = Metrics(lambda: overview(job, resources), resources, time.monotonic(), VERSION, curves, gpus=False)
     metrics.observe(EventView(seq=0, ts=1.0, kind="job.state_changed", job_id=job.id, attempt=1,
                               data={"to": "STARTING"}))
     metrics.observe(EventView(seq=0, ts=3.5, kind="job.state_changed", job_id=job.id, attempt=1,
@@ -89,6 +93,8 @@ async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Jobs,
 
     assert got["ddpd_info"][0].labels == {"version": VERSION}
     assert {s.labels["state"]: s.value for s in got["ddpd_jobs"]}["RUNNING"] == 1
+    assert {s.labels["kind"]: s.value for s in got["ddpd_cpu_slots"]} == {"total": 4, "free": 4}
+    assert {s.labels["kind"]: s.value for s in got["ddpd_gpus"]} == {"total": 2, "free": 2}
     assert {s.labels["state"]: s.value for s in got["ddpd_ranks"]}["TRAINING"] == 2
     assert [(s.labels, s.value) for s in got["ddpd_job_step"]] == [({"job_id": job.id}, 12)]
     assert [(s.labels, s.value) for s in got["ddpd_job_loss"]] == [({"job_id": job.id}, 1.0)]
@@ -102,9 +108,9 @@ async def test_scrape_has_the_daemon_job_rank_and_process_series(sched: Jobs,
     assert not any(name.startswith("ddpd_gpu_") for name in got)  # no NVML asked: no GPU series, no error
 
 
-async def test_gpu_series_name_the_job_that_holds_each_gpu(sched: Jobs) -> None:
-    job = running_job(sched, pid=2**22 + 1)
-    metrics = Metrics(sched, time.monotonic(), "v", gpus=False)
+async def test_gpu_series_name_the_job_that_holds_each_gpu() -> None:
+    job, resources = running_job(pid=2**22 + 1), Resources(GPUS, 4)
+    metrics = Metrics(lambda: overview(job, resources), resources, time.monotonic(), "v", gpus=False)
     metrics.collector.usage = Usage(gpus=[*GPUS, GpuInfo(index=2, name="H200", uuid="GPU-2", memory_total=1,
                                                          memory_used=0, utilization=0, source="nvml")])
     got = samples(generate_latest(metrics.registry).decode())

@@ -26,16 +26,18 @@ from .contain.procs import set_child_subreaper
 from .contain.reaper import reap_forever
 from .contain.usertree import ensure_base
 from .control.door import accept_forever
+from .control.handlers import Services
 from .control.interpreters import CHECKS
 from .control.metrics import Metrics, MetricsServer
 from .control.server import ControlServer, prepare_socket_path, secure_socket
 from .gpu.gpus import GpuInfo, daemon_devices
+from .gpu.utilisation import UtilisationLog
 from .logs import configure_logging, parse_level, set_level
 from .multinode.agentproc import AGENTS
 from .notify import SystemdNotifier, listen_fds
 from .pool.pool import WarmPool
 from .pool.poolkeys import own_shape
-from .queue.facade import Jobs
+from .queue.facade import JobQueue, LiveConfig
 from .queue.resources import Resources
 from .store.bus import EventBus
 from .store.curves import CurveStore
@@ -58,7 +60,7 @@ async def _gpus(configured: int | None) -> list[GpuInfo]:
 class Daemon:
     def __init__(self, config: Config, overrides: dict[str, Any] | None = None,
                  inherited_umask: int = DAEMON_UMASK) -> None:
-        self.config = config
+        self.live = LiveConfig(config)  # the one current config: the queue and control read it, a reload replaces it
         self.inherited_umask = inherited_umask  # what started it had (said once it is ready)
         self.overrides = overrides or {}
         self.started = time.monotonic()
@@ -67,23 +69,30 @@ class Daemon:
         self._stop_count = 0
         self._adopted = False
         self._socket_path: Path = config.socket
-        self.jobs: Jobs | None = None
+        self.queue: JobQueue | None = None
         self.pool: WarmPool | None = None
+
+    @property
+    def config(self) -> Config:
+        """The daemon's config now (`reload` replaces it)."""
+        return self.live.current
 
     def counts(self) -> tuple[int, int]:
         """Jobs starting or running (restarts included), and jobs queued, by their recorded state."""
-        return (0, 0) if self.jobs is None else self.jobs.active_and_queued()
+        if self.queue is None:
+            return 0, 0
+        now = self.queue.jobs.overview()
+        return now.active, now.queued
 
     def info(self) -> DaemonInfo:
-        assert self.jobs is not None
-        running, queued = self.counts()
-        res = self.jobs.resources
+        assert self.queue is not None
+        now = self.queue.jobs.overview()
         return DaemonInfo(
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(),
             uptime=round(time.monotonic() - self.started, 3), socket=str(self._socket_path),
-            state_dir=str(self.config.state_dir), running=running, queued=queued,
-            cpu_slots=res.total_cpu, gpus=res.total_gpus, free_cpu_slots=res.free_cpu,
-            free_gpus=len(res.free_gpus), pool_ready=None if self.pool is None else len(self.pool.ready_pids),
+            state_dir=str(self.config.state_dir), running=now.active, queued=now.queued,
+            cpu_slots=now.cpu_slots, gpus=now.gpus, free_cpu_slots=now.free_cpu_slots,
+            free_gpus=now.free_gpus, pool_ready=None if self.pool is None else len(self.pool.ready_pids),
             pool_state=None if self.pool is None else self.pool.state(),
         )
 
@@ -102,9 +111,10 @@ class Daemon:
         finally:
             self.notifier.send("READY=1")  # a reload ends (failed or not): systemctl reload returns
         new, changed, ignored = reloaded(old, new)  # the keys marked RESTART keep their old value
-        self.config = new
-        if self.jobs is not None:
-            self.jobs.reconfigure(new)
+        if self.queue is None:
+            self.live.replace(new)
+        else:
+            self.queue.reconfigure(new)  # the live config replaced, and what it changes at once
         set_level(new.log_level)
         # at info, or at the new level when that hides info lines: a reload always shows in the log
         level = new.log_level.lower() if parse_level(new.log_level) > logging.INFO else "info"
@@ -142,8 +152,8 @@ class Daemon:
                      force=self._stop_count > 1)
             if self._stop_count == 1:
                 self._stop.set()
-            elif self.jobs is not None:
-                await self.jobs.force_stop()
+            elif self.queue is not None:
+                await self.queue.force_stop()
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         # signals are received from the start: one arriving during recovery waits for the handler task
@@ -170,24 +180,28 @@ class Daemon:
         self.pool = pool if pool.size else None
         if os.geteuid() != 0 or cfg.allow_root_jobs:  # the daemon's own user is served: its key is known now
             pool.use(own_shape(cfg), 1)  # two interpreters, until a job of it says how many ranks it has
-        self.jobs = jobs = Jobs(cfg, journal, resources, self.pool, subtree=subtree)
+        utilization = UtilisationLog()  # the GPUs' recent utilisation: the idle watch's, read by the views
+        self.queue = queue = JobQueue(self.live, journal, resources, self.pool, subtree=subtree,
+                                      utilization=utilization)
+        jobs = queue.jobs  # what control and metrics ask of the queue
         listener: SocketListener | None = None
         try:
-            await jobs.recover()
+            await queue.recover()
             metrics = metrics_listener = None
             if cfg.metrics_listen is not None:
-                metrics = Metrics(jobs, self.started, __version__, curves)
+                metrics = Metrics(jobs.overview, resources, self.started, __version__, curves)
                 host, port = parse_listen(cfg.metrics_listen)
                 metrics_listener = await MetricsServer.listen(host, port)  # a bind error stops the start
             listener = await self._listen()
-            server = ControlServer(jobs, self.info, self.reload, curves, pool=self.pool)
+            services = Services(self.live, journal, resources, utilization, subtree)
+            server = ControlServer(jobs, services, self.info, self.reload, curves, pool=self.pool)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._signals, signals)
                 tg.start_soon(reap_forever)  # a subreaper: every inherited zombie is reaped
                 tg.start_soon(self._follow_status, bus)
                 tg.start_soon(curves.run)
                 await tg.start(pool.run)
-                tg.start_soon(jobs.run)
+                tg.start_soon(queue.run)
                 tg.start_soon(accept_forever, listener, server.handle, "control")
                 tg.start_soon(self.notifier.watchdog)
                 if metrics is not None and metrics_listener is not None:
@@ -207,8 +221,8 @@ class Daemon:
                 self._status()
                 running, queued = self.counts()
                 log.info("daemon.stopping", running=running, queued=queued,
-                         kill_grace=jobs.config.defaults.kill_grace)
-                await jobs.shutdown(force=False)
+                         kill_grace=self.config.defaults.kill_grace)
+                await queue.shutdown(force=False)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

@@ -62,11 +62,13 @@ from ...protocol.control import (
     WhoAmIReq,
 )
 from ...protocol.spec import reserved_env
-from ..config import ConfigError
+from ..config import Config, ConfigError
+from ..contain.cgroups import Subtree
 from ..contain.identity import Identity, UnknownUser, check_serves, job_environment, submitted_environment
-from ..gpu.gpuview import daemon_gpus, with_rank_gpus
+from ..gpu.gpuview import Devices, daemon_gpus, with_rank_gpus
+from ..gpu.utilisation import UtilisationLog
 from ..multinode.placement import check_rank, held_ranks
-from ..queue.facade import Jobs
+from ..queue.facade import Jobs, LiveConfig
 from ..store.curves import CurveStore, curve_result
 from ..store.errors import (
     BadConfigError,
@@ -76,6 +78,7 @@ from ..store.errors import (
     ShuttingDownError,
     VersionMismatchError,
 )
+from ..store.journal import Journal
 from ..store.records import Job
 from .interpreters import InterpreterChecks
 from .poolview import PoolServers
@@ -88,20 +91,39 @@ Answer = Awaitable[Any] | AsyncIterator[Any]
 
 
 @dataclass(frozen=True)
+class Services:
+    """What control reads beside the jobs, built by `app`: the daemon's live config (read at each
+    use: a reload replaces it), the journal (events, ranks), the devices and their recent utilisation
+    (GPU views), the cgroup subtree (interpreter checks)."""
+
+    live: LiveConfig
+    journal: Journal
+    devices: Devices
+    utilization: UtilisationLog
+    subtree: Subtree | None = None
+
+
+@dataclass(frozen=True)
 class Context:
     """What the handlers act on; built once by the control server."""
 
-    jobs: Jobs
+    jobs: Jobs  # the queue's facade (queue.facade.Jobs): its eight methods, nothing else of the queue
+    services: Services
     info: Callable[[], DaemonInfo]
     reload: Callable[[], Awaitable[None]]
     curves: CurveStore | None
     interpreters: InterpreterChecks
     servers: PoolServers = field(default_factory=lambda: PoolServers(None))  # the pool's fork servers
 
+    @property
+    def config(self) -> Config:
+        """The daemon's config now."""
+        return self.services.live.current
+
 
 def route(ctx: Context, req: Request, uid: int) -> Answer:
     """The handler of `req` for the peer `uid` (ForbiddenError where this daemon does not serve it)."""
-    check_served(uid, ctx.jobs.config.allow_root_jobs)
+    check_served(uid, ctx.config.allow_root_jobs)
     match req:
         case HelloReq():
             return hello(req)
@@ -177,8 +199,8 @@ async def resubmit(ctx: Context, req: Resubmit, uid: int) -> SubmitResult:
 
 async def status(ctx: Context, req: Status, uid: int) -> JobView:
     job = await _job(ctx, req.job_id)
-    view = await with_rank_gpus(positioned(job.view(), ctx.jobs.queue_positions()), job,
-                                ctx.jobs.resources, ctx.jobs.utilization)
+    view = await with_rank_gpus(positioned(job.view(), ctx.jobs.overview().positions), job,
+                                ctx.services.devices, ctx.services.utilization)
     return visible_view(view, await _detail(ctx, uid))
 
 
@@ -186,7 +208,7 @@ async def list_jobs(ctx: Context, req: ListJobs, uid: int) -> JobPage:
     limit = min(req.limit, LIST_LIMIT)
     jobs = await ctx.jobs.page(limit + 1, req.before, active=not req.all)
     return job_page(jobs, active_only=not req.all, limit=limit, before=req.before,
-                    detail=await _detail(ctx, uid), positions=ctx.jobs.queue_positions())
+                    detail=await _detail(ctx, uid), positions=ctx.jobs.overview().positions)
 
 
 async def cancel(ctx: Context, req: Cancel, uid: int) -> CancelResult:
@@ -210,19 +232,19 @@ async def wait(ctx: Context, req: Wait, uid: int) -> JobView:
 
 async def logs(ctx: Context, req: Logs, uid: int) -> AsyncIterator[LogChunk]:
     job = await _detailed(ctx, req.job_id, uid, "logs")
-    held = functools.partial(held_ranks, ctx.jobs.journal, job)  # by global rank (multinode.placement)
+    held = functools.partial(held_ranks, ctx.services.journal, job)  # by global rank (multinode.placement)
     asked = ([] if req.rank is None else [req.rank]) + (req.ranks or [])
     if asked:
         mine = await held(req.attempt or job.attempt)
         for r in asked:
             check_rank(job, r, mine)
-    async for chunk in log_chunks(ctx.jobs.config.state_dir, job, req, held):
+    async for chunk in log_chunks(ctx.config.state_dir, job, req, held):
         yield chunk
 
 
 async def events(ctx: Context, req: Events, uid: int) -> AsyncIterator[EventView]:
-    found = (job_events(ctx.jobs.journal, await _detailed(ctx, req.job_id, uid, "events"), req)
-             if req.job_id else visible_events(ctx.jobs, req, uid, await _detail(ctx, uid)))
+    found = (job_events(ctx.services.journal, await _detailed(ctx, req.job_id, uid, "events"), req)
+             if req.job_id else visible_events(ctx.jobs, ctx.services.journal, req, uid, await _detail(ctx, uid)))
     async for event in found:
         yield clip_event(event)
 
@@ -235,11 +257,7 @@ async def remove(ctx: Context, req: Remove, uid: int) -> RemoveResult:
 
 async def stacks(ctx: Context, req: StacksReq, uid: int) -> StacksResult:
     job = await _detailed(ctx, req.job_id, uid, "stacks")
-    if not ctx.jobs.runs(job):
-        raise NotRunnableError(f"job {job.id} is {job.state.value}, not running")
-    if req.rank is not None:
-        check_rank(job, req.rank, await held_ranks(ctx.jobs.journal, job, job.attempt))
-    return await ctx.jobs.stacks(job, req.rank, req.native)
+    return await ctx.jobs.stacks(job, req.rank, req.native)  # not running, a rank it does not hold: refused
 
 
 async def curve(ctx: Context, req: CurveReq, uid: int) -> CurveResult:
@@ -261,7 +279,7 @@ async def daemon_info(ctx: Context, uid: int) -> DaemonInfo:
         info = msgspec.structs.replace(info, pool_servers=servers)
     if info.gpus == 0:
         return info
-    devices, note = await daemon_gpus(ctx.jobs.running_jobs(), ctx.jobs.resources)
+    devices, note = await daemon_gpus(list(ctx.jobs.overview().running), ctx.services.devices)
     return msgspec.structs.replace(info, gpu_devices=devices, gpu_note=note)
 
 
@@ -276,7 +294,7 @@ async def reload(ctx: Context, uid: int) -> None:
 
 async def whoami(ctx: Context, uid: int) -> WhoAmI:
     """The caller as this daemon sees it: passwd and group databases, the config's admin group."""
-    cfg = ctx.jobs.config
+    cfg = ctx.config
     viewer, admin = await anyio.to_thread.run_sync(viewer_of, uid, cfg.admin_group)
     groups = [] if viewer is None else await anyio.to_thread.run_sync(viewer.group_names)
     return WhoAmI(uid=uid, name=None if viewer is None else viewer.name, groups=groups, admin_group=cfg.admin_group,
@@ -294,7 +312,8 @@ async def gpu_release(ctx: Context, req: GpuRelease, uid: int) -> GpuReleaseResu
 
 async def share(ctx: Context) -> ShareResult:
     """Each user's usage and fair-share factor (queue.fairshare), with their names where passwd has them."""
-    views, half_life = ctx.jobs.share_table()
+    overview = ctx.jobs.overview()
+    views, half_life = overview.shares, overview.half_life
     names = await anyio.to_thread.run_sync(lambda: {v.uid: _user_name(v.uid) for v in views})
     return ShareResult(users=[msgspec.structs.replace(v, name=names[v.uid]) for v in views], half_life=half_life)
 
@@ -311,11 +330,11 @@ def _user_name(uid: int) -> str | None:
 
 async def _job(ctx: Context, job_id: str) -> Job:
     """The job a request names: its id or a unique prefix (not_found, ambiguous: see jobids)."""
-    return await ctx.jobs.resolve(job_id)
+    return await ctx.jobs.find(job_id)
 
 
 async def _detail(ctx: Context, uid: int) -> Detail:
-    return await detail_for(uid, ctx.jobs.config.admin_group)
+    return await detail_for(uid, ctx.config.admin_group)
 
 
 async def _detailed(ctx: Context, job_id: str, uid: int, what: str) -> Job:
@@ -327,7 +346,7 @@ async def _detailed(ctx: Context, job_id: str, uid: int, what: str) -> Job:
 
 
 async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> SubmitResult:
-    if not ctx.jobs.accepting:
+    if not ctx.jobs.overview().accepting:
         raise ShuttingDownError("the daemon is shutting down")
     try:
         spec = check_spec(spec)
@@ -340,7 +359,7 @@ async def _submit(ctx: Context, spec: JobSpec, uid: int, key: str | None) -> Sub
 
 async def _check_submitter(ctx: Context, spec: JobSpec, uid: int) -> None:
     """Who may submit (check_serves) and whether the job's interpreter runs for them (SpecError `python`)."""
-    cfg = ctx.jobs.config
+    cfg = ctx.config
     refusal = check_serves(os.geteuid(), uid, cfg.allow_root_jobs)
     if refusal is not None:
         raise ForbiddenError(refusal)

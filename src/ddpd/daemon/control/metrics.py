@@ -1,13 +1,13 @@
 """An optional Prometheus endpoint (off by default, loopback by default), exposed through prometheus-client.
 
-The series live in a private `CollectorRegistry`: a custom collector (`DaemonCollector`) reads the
-daemon's jobs (`queue.facade`), the curves and the last resource sample at scrape time; the durations are
-prometheus-client Histograms and the counters are folded in from the daemon's event bus, so they count
-exactly what the journal records; `ProcessCollector` and `PlatformCollector` describe the daemon's own
-process. Per scrape, the ranks' memory and CPU time and the GPUs (NVML, where present) are read in a
-worker thread within a bounded time (`samplers`); the exposition itself is `generate_latest`, on the
-event loop, so the collector reads the jobs between two of their changes. Label values are escaped
-by the library.
+The series live in a private `CollectorRegistry`: a custom collector (`DaemonCollector`) reads one
+overview of the daemon's jobs (`queue.facade.Jobs.overview`), its devices, the curves and the last
+resource sample at scrape time; the durations are prometheus-client Histograms and the counters are
+folded in from the daemon's event bus, so they count exactly what the journal records;
+`ProcessCollector` and `PlatformCollector` describe the daemon's own process. Per scrape, the ranks'
+memory and CPU time and the GPUs (NVML, where present) are read in a worker thread within a bounded
+time (`samplers`); the exposition itself is `generate_latest`, on the event loop, so the collector
+reads the jobs between two of their changes. Label values are escaped by the library.
 
 Series: ddpd_info, ddpd_uptime_seconds, ddpd_jobs{state}, ddpd_queue_depth, ddpd_ranks{state},
 ddpd_rank_heartbeat_age_seconds / ddpd_rank_step / ddpd_rank_resident_memory_bytes /
@@ -22,7 +22,7 @@ ddpd_heartbeats_missed_total, ddpd_metrics_ranks_unsampled, process_*, python_in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 import anyio.to_thread
@@ -32,7 +32,8 @@ from prometheus_client.registry import Collector
 
 from ...protocol import JobState, RankState
 from ...protocol.control import EventView
-from ..queue.facade import Jobs
+from ..gpu.gpuview import Devices
+from ..queue.facade import Overview
 from ..store.bus import EventBus
 from ..store.curves import CurveStore
 from .metrics_http import MetricsServer
@@ -48,9 +49,10 @@ SAMPLE_TIMEOUT = 5.0  # seconds a scrape waits for the resource sample; past it,
 class Metrics:
     """What the endpoint serves; `consume` keeps the event-derived series up to date."""
 
-    def __init__(self, jobs: Jobs, started: float, version: str, curves: CurveStore | None = None,
-                 *, gpus: bool = True) -> None:
-        self.jobs = jobs
+    def __init__(self, overview: Callable[[], Overview], devices: Devices, started: float, version: str,
+                 curves: CurveStore | None = None, *, gpus: bool = True) -> None:
+        self.overview = overview  # the jobs now (queue.facade.Jobs.overview)
+        self.devices = devices  # the daemon's GPUs: who holds them, draining, quarantined
         self.started = started
         self.version = version
         self.curves = curves
@@ -101,9 +103,8 @@ class Metrics:
 
     def targets(self) -> list[RankTarget]:
         """The live ranks of running jobs, with their pids."""
-        sched = self.jobs
         return [RankTarget(job.id, r.attempt, r.rank, r.pid)
-                for job in sched.running_jobs()
+                for job in self.overview().running
                 for r in job.ranks if r.pid is not None and r.state is not RankState.EXITED]
 
     async def render(self) -> bytes:
@@ -132,28 +133,28 @@ class DaemonCollector(Collector):
         return []  # names are not registered up front: the collector's series vary with the jobs
 
     def collect(self) -> Iterator[Metric]:
-        m, sched, now = self.metrics, self.metrics.jobs, time.monotonic()
+        m, now = self.metrics, time.monotonic()
+        jobs_now = m.overview()  # one read of the jobs for the whole exposition
         info = _gauge("ddpd_info", "Daemon version.", ["version"])
         info.add_metric([m.version], 1)
         yield info
         yield GaugeMetricFamily("ddpd_uptime_seconds", "Seconds since the daemon started.", value=now - m.started)
-        by_state = {s.value: n for s, n in sched.state_counts().items()}
+        by_state = {s.value: n for s, n in jobs_now.states.items()}
         jobs = _gauge("ddpd_jobs", "Jobs known to the daemon, by state.", ["state"])
         for state, n in by_state.items():
             jobs.add_metric([state], n)
         yield jobs
         yield GaugeMetricFamily("ddpd_queue_depth", "Jobs waiting in the queue.",
                                 value=by_state.get(JobState.QUEUED.value, 0))
-        yield from self._ranks_and_jobs(now)
-        res = sched.resources
+        yield from self._ranks_and_jobs(jobs_now, now)
         cpu = _gauge("ddpd_cpu_slots", "CPU slots, total and free.", ["kind"])
-        cpu.add_metric(["total"], res.total_cpu)
-        cpu.add_metric(["free"], res.free_cpu)
+        cpu.add_metric(["total"], jobs_now.cpu_slots)
+        cpu.add_metric(["free"], jobs_now.free_cpu_slots)
         gpus = _gauge("ddpd_gpus", "GPUs, total and free.", ["kind"])
-        gpus.add_metric(["total"], res.total_gpus)
-        gpus.add_metric(["free"], len(res.free_gpus))
+        gpus.add_metric(["total"], jobs_now.gpus)
+        gpus.add_metric(["free"], jobs_now.free_gpus)
         yield from (cpu, gpus)
-        yield from self._gpus()
+        yield from self._gpus(jobs_now)
         finished = CounterMetricFamily("ddpd_jobs_finished_total",
                                        "Jobs that reached a final state since the daemon started.", labels=["state"])
         for state, n in sorted(m.finished.items()):
@@ -166,8 +167,8 @@ class DaemonCollector(Collector):
                                 "Live ranks whose memory and CPU the last scrape could not read in time.",
                                 value=self.usage.skipped)
 
-    def _ranks_and_jobs(self, now: float) -> Iterator[Metric]:
-        m, sched = self.metrics, self.metrics.jobs
+    def _ranks_and_jobs(self, jobs_now: Overview, now: float) -> Iterator[Metric]:
+        m = self.metrics
         rank_labels = ["job_id", "attempt", "rank"]
         states = dict.fromkeys((s.value for s in RankState), 0)
         age = _gauge("ddpd_rank_heartbeat_age_seconds", "Seconds since the last frame of each live rank.", rank_labels)
@@ -176,7 +177,7 @@ class DaemonCollector(Collector):
         job_loss = _gauge("ddpd_job_loss", "The job's last loss on its curve (running jobs).", ["job_id"])
         job_rate = _gauge("ddpd_job_steps_per_second", "The job's steps per second at its curve's last point.",
                           ["job_id"])
-        for job in sched.running_jobs():
+        for job in jobs_now.running:
             for r in job.ranks:
                 states[r.state.value] += 1
                 if r.state is not RankState.EXITED and r.last_frame is not None:
@@ -203,11 +204,10 @@ class DaemonCollector(Collector):
             cpu.add_metric(labels, used.cpu_seconds)
         yield from (ranks, age, step, rss, cpu, job_step, job_loss, job_rate)
 
-    def _gpus(self) -> Iterator[Metric]:
+    def _gpus(self, jobs_now: Overview) -> Iterator[Metric]:
         yield self._quarantined()
         if not self.usage.gpus:
             return  # no NVML (or no GPU): no GPU series
-        sched = self.metrics.jobs
         labels = ["gpu", "uuid"]
         used = _gauge("ddpd_gpu_memory_used_bytes", "Memory in use on each GPU (NVML).", labels)
         total = _gauge("ddpd_gpu_memory_total_bytes", "Memory of each GPU (NVML).", labels)
@@ -220,10 +220,10 @@ class DaemonCollector(Collector):
                           [*labels, "job_id"])
         # GPUs are named as everywhere: the NVML index (index/migN for a MIG device) and the UUID; a
         # job holds the devices whose entries (UUIDs) its job.gpus lists
-        res = sched.resources
+        res = self.metrics.devices
         mine = {d.entry for d in res.devices}
         held: dict[str, list[str]] = {}
-        for job in sched.running_jobs():
+        for job in jobs_now.running:
             for entry in dict.fromkeys(job.gpus):
                 held.setdefault(entry, []).append(job.id)
         for gpu in self.usage.gpus:
@@ -246,7 +246,7 @@ class DaemonCollector(Collector):
         """Every quarantined device, from the daemon's resources (NVML may not answer for a GPU off the bus)."""
         gauge = _gauge("ddpd_gpu_quarantined", "1 for each GPU held out of service after a fault, until released.",
                        ["gpu", "uuid", "reason"])
-        res = self.metrics.jobs.resources
+        res = self.metrics.devices
         for gpu in res.devices:
             if gpu.entry in res.quarantined:
                 gauge.add_metric([gpu.label, gpu.uuid, res.quarantined[gpu.entry]], 1)

@@ -47,7 +47,7 @@ from ..store.errors import DaemonError
 from ..store.private import make_dirs
 from . import handlers
 from .door import Door, Privilege, is_daemon_user, peer_closed
-from .handlers import Context
+from .handlers import Context, Services
 from .interpreters import InterpreterChecks
 from .poolview import PoolServers
 from .requests import FrameReader, ReadTimeout
@@ -95,15 +95,16 @@ def secure_socket(path: Path, mode: int, group: str | None) -> None:
 
 
 class ControlServer:
-    def __init__(self, jobs: Jobs, info: Callable[[], DaemonInfo],
+    def __init__(self, jobs: Jobs, services: Services, info: Callable[[], DaemonInfo],
                  reload: Callable[[], Awaitable[None]], curves: CurveStore | None = None,
                  pool: WarmPool | None = None) -> None:
         self.jobs = jobs
+        self.live = live = services.live  # the daemon's current config (a reload changes the limits)
         self.curves = curves
         self.info = info
         self.reload = reload
-        self.context = Context(jobs, info, reload, curves, InterpreterChecks(
-            jobs.subtree, lambda: jobs.config.interpreter_checks_per_user), PoolServers(pool))
+        self.context = Context(jobs, services, info, reload, curves, InterpreterChecks(
+            services.subtree, lambda: live.current.interpreter_checks_per_user), PoolServers(pool))
         self.door = Door()
         self.privilege = Privilege()
         self.refused = 0  # connections refused for max_connections since start
@@ -138,7 +139,7 @@ class ControlServer:
     async def _admission(self, uid: int) -> str | None:
         """Why a connection of `uid` is refused now (see `door.Door`), or None; the admin group is
         looked up only for a connection that would otherwise be refused."""
-        cfg = self.jobs.config
+        cfg = self.live.current
         limits = (cfg.max_connections, cfg.max_connections_per_user)
         refusal = self.door.refusal(uid, is_daemon_user(uid), *limits)
         if refusal is None or is_daemon_user(uid) or not await self.privilege.of(uid, cfg.admin_group):
@@ -152,12 +153,12 @@ class ControlServer:
         if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
             self._refusal_logged = now
             log.warning("control.connections_refused", open=self.connections, uid=uid, of_uid=self.door.open[uid],
-                        max_connections=self.jobs.config.max_connections, refused=self.refused)
+                        max_connections=self.live.current.max_connections, refused=self.refused)
 
     async def _serve(self, stream: SocketStream, uid: int) -> None:
         reader = FrameReader(stream, MAX_REQUEST)
         while True:
-            cfg = self.jobs.config
+            cfg = self.live.current
             try:
                 line = await reader.next_frame(cfg.idle_timeout, cfg.frame_timeout)
             except FrameError as exc:
@@ -177,7 +178,7 @@ class ControlServer:
         except FrameError as exc:  # a result too large for one frame (replies are bounded: a bug)
             log.error("control.reply_too_large", error=exc.message)
             data = encode(Error(id=reply.id, code=ErrorCode.INTERNAL, message=exc.message))
-        with anyio.move_on_after(self.jobs.config.idle_timeout if timeout is None else timeout):
+        with anyio.move_on_after(self.live.current.idle_timeout if timeout is None else timeout):
             try:
                 await stream.send(data)
                 return True

@@ -18,6 +18,7 @@ import anyio.to_thread
 from ...protocol.control import Events, EventView
 from ..contain.identity import Identity, UnknownUser, admin_gid, may_see_detail
 from ..queue.facade import Jobs
+from ..store.journal import Journal
 from ..store.records import Job
 from .replies import Detail
 from .streams import job_events
@@ -57,13 +58,14 @@ def not_yours(job: Job, what: str) -> str:
     return f"job {job.id} belongs to uid {job.owner_uid}; its {what} are for its owner, root and the admin group"
 
 
-async def visible_events(jobs: Jobs, req: Events, uid: int, detail: Detail) -> AsyncIterator[EventView]:
+async def visible_events(jobs: Jobs, journal: Journal, req: Events, uid: int,
+                         detail: Detail) -> AsyncIterator[EventView]:
     """Every job's events (`events` without a job id), less those of jobs `uid` may not see in detail."""
     owners: dict[str, int | None] = {}
-    async for event in job_events(jobs.journal, None, req):
+    async for event in job_events(journal, None, req):
         if event.job_id is not None:
             if event.job_id not in owners:
-                job = await jobs.lookup(event.job_id)
+                job = await jobs.find(event.job_id, missing_ok=True)
                 owners[event.job_id] = None if job is None else job.owner_uid
             owner = owners[event.job_id]
             if not (detail(owner) if owner is not None else uid == 0):

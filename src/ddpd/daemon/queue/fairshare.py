@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ...protocol.control import ShareView
 from ..store.journal import Journal
 from ..store.records import Job
+from .live import LiveConfig
 from .resources import Resources
 
 
@@ -55,13 +56,18 @@ SAVE_EVERY = 30.0  # seconds between saves of the running jobs' charges (a job's
 class FairShare:
     """Every user's usage; charges running jobs and saves what changed through the journal."""
 
-    def __init__(self, journal: Journal, half_life: float) -> None:
+    def __init__(self, journal: Journal, live: LiveConfig) -> None:
         self.journal = journal
-        self.half_life = half_life
+        self.live = live  # the daemon's current config (its `fairshare_half_life`: read at each use)
         self.usage: dict[int, Usage] = {}
         self._charged: dict[str, float] = {}  # running job id -> charged up to (wall clock)
         self._unsaved: set[int] = set()  # users charged since their usage was last saved
         self._saved_at = float("-inf")
+
+    @property
+    def half_life(self) -> float:
+        """Seconds for usage to decay by half, as the current config says (a reload changes it)."""
+        return self.live.current.fairshare_half_life
 
     async def load(self) -> None:
         self.usage = {uid: Usage(*row) for uid, row in (await self.journal.load_usage()).items()}

@@ -34,6 +34,7 @@ from ..store.journal import Journal
 from ..store.quarantine import Quarantined
 from ..store.records import Job
 from . import commands
+from .live import LiveConfig
 from .resources import Resources
 from .runners import Runners
 
@@ -58,18 +59,16 @@ def find_device(devices: list[GpuInfo], name: str) -> GpuInfo | None:
 class GpuHealth:
     """The daemon's quarantine: loaded at start, fed by the GPU watch, released by an admin."""
 
-    def __init__(self, journal: Journal, resources: Resources, runners: Runners, config: Config) -> None:
+    def __init__(self, journal: Journal, resources: Resources, runners: Runners, live: LiveConfig,
+                 utilization: UtilisationLog | None = None) -> None:
         self.journal = journal
-        self.config = config  # the current config (a reload changes the idle settings: `reconfigure`)
-        self.utilization = UtilisationLog()
+        self.live = live  # the daemon's current config (read at each sample: a reload changes the idle settings)
+        self.utilization = UtilisationLog() if utilization is None else utilization
         self._first_seen: dict[tuple[str, int], float] = {}  # (job, attempt) -> its first sample running
         self._warned: set[tuple[str, int]] = set()
         self.resources = resources
         self.runners = runners  # the running jobs, told of a fault on their GPUs (commands.GpuFault)
         self.held: dict[str, Quarantined] = {}
-
-    def reconfigure(self, config: Config) -> None:
-        self.config = config
 
     async def load(self) -> None:
         """The quarantines recorded before this start, for the devices this daemon schedules."""
@@ -100,7 +99,7 @@ class GpuHealth:
         if not devices:
             return
         while True:
-            cfg = self.config
+            cfg = self.live.current
             try:
                 self.utilization.add(time.time(), await sample_async(devices))
                 await self.check_idle(time.time(), cfg)

@@ -17,13 +17,13 @@ import structlog
 
 from ...protocol import JobSpec
 from ...protocol.spec import dependency_ids
-from ..config import Config
 from ..contain.usertree import remove_job_dir
 from ..layout import legacy_job_dir
 from ..run import lifecycle
 from ..store.errors import NotRunnableError
 from ..store.journal import Journal
 from ..store.records import Job
+from .live import LiveConfig
 from .retention import Retention, beyond_bounds, past_bounds
 from .table import JobTable
 
@@ -35,15 +35,12 @@ RETIRE_BATCH = 200  # one user's jobs retired per look (a submit waits for at mo
 
 
 class History:
-    def __init__(self, config: Config, journal: Journal, table: JobTable, retention: Retention) -> None:
-        self.config = config  # the current one (`reconfigure`)
+    def __init__(self, live: LiveConfig, journal: Journal, table: JobTable, retention: Retention) -> None:
+        self.live = live  # the daemon's current config (read at each use: a reload changes the bounds)
         self.journal = journal
         self.table = table
         self.retention = retention
         self._retiring = anyio.Lock()  # one user's history retired at a time (by the retention task or a submit)
-
-    def reconfigure(self, config: Config) -> None:
-        self.config = config
 
     async def remove(self, job: Job, uid: int) -> None:
         """`rm`: forget an ended job (row, ranks, attempts, events, logs and checkpoints); owner or root."""
@@ -66,16 +63,17 @@ class History:
         Whether its rows were there (False: removed meanwhile by another path)."""
         gone = await self.journal.delete_job(job.id)
         self.table.forget(job, deleted=gone)
-        path = legacy_job_dir(self.config.state_dir, job.id)  # jobs from before the per-user tree
+        path = legacy_job_dir(self.live.current.state_dir, job.id)  # jobs from before the per-user tree
         await anyio.to_thread.run_sync(lambda: shutil.rmtree(path, ignore_errors=True))
         try:
-            await anyio.to_thread.run_sync(remove_job_dir, self.config.state_dir, job.owner_uid, job.id)
+            await anyio.to_thread.run_sync(remove_job_dir, self.live.current.state_dir, job.owner_uid, job.id)
         except OSError as exc:  # a symlink or a foreign directory planted on the way: left, reported
             log.warning("job.files_not_removed", job_id=job.id, error=str(exc))
         return gone
 
     def _bounded(self) -> bool:
-        return bool(self.config.max_history_per_user or self.config.max_history_bytes_per_user)
+        cfg = self.live.current
+        return bool(cfg.max_history_per_user or cfg.max_history_bytes_per_user)
 
     async def retire(self, uid: int) -> list[str]:
         """Retire `uid`'s oldest ended jobs past its history bounds (`retention.past_bounds`), as `rm`
@@ -83,7 +81,7 @@ class History:
         on the user's newest ended job, which stays: nothing is recorded outside the user's own jobs."""
         if not self._bounded():
             return []
-        cfg = self.config
+        cfg = self.live.current
         async with self._retiring:
             held = await self.journal.history_of(uid)
             awaited = {dep for j in self.table.unended.values() for dep in dependency_ids(j.spec)}
@@ -111,7 +109,7 @@ class History:
         when the end of this job will retire its oldest (its history with this job's spec is past a bound)."""
         if not self._bounded():
             return []
-        cfg = self.config
+        cfg = self.live.current
         count, size = await self.journal.history_totals(uid)
         retired: list[str] = []
         if beyond_bounds(count, size, cfg.max_history_per_user, cfg.max_history_bytes_per_user):

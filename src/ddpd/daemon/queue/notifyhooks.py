@@ -57,6 +57,7 @@ from ..contain.procs import Exit
 from ..layout import user_job_dir
 from ..store.journal import Journal
 from ..store.records import Job
+from .live import LiveConfig
 
 log = structlog.get_logger("ddpd")
 
@@ -203,8 +204,8 @@ def can_draw() -> bool:
 class JobHooks:
     """A job's hooks: `post` a job's notice (never blocks); `run` delivers the notices until cancelled."""
 
-    def __init__(self, config: Config, journal: Journal, subtree: Subtree | None) -> None:
-        self.config = config  # the current one (`reconfigure`)
+    def __init__(self, live: LiveConfig, journal: Journal, subtree: Subtree | None) -> None:
+        self.live = live  # the daemon's current config (read at each use: a reload changes the hooks)
         self.journal = journal
         self.subtree = subtree
         self._send, self._receive = anyio.create_memory_object_stream[tuple[Job, Notice, list[Hook]]](QUEUED_AT_MOST)
@@ -212,11 +213,8 @@ class JobHooks:
         self._threads = anyio.CapacityLimiter(AT_ONCE)
         self._draws = can_draw()
 
-    def reconfigure(self, config: Config) -> None:
-        self.config = config
-
     def post(self, job: Job, event: Event) -> None:
-        hooks = hooks_of(job, self.config)
+        hooks = hooks_of(job, self.live.current)
         if not hooks:
             return
         try:
@@ -249,7 +247,7 @@ class JobHooks:
             identity = await anyio.to_thread.run_sync(Identity.of, job.owner_uid)
         except UnknownUser:
             return None
-        cfg = self.config
+        cfg = self.live.current
         path = user_job_dir(cfg.state_dir, job.owner_uid, job.id) / PICTURE
         python = job.spec.python or sys.executable  # what the job ran with (checked at its submit)
         exported = {k: v for k, v in submitted_environment(identity, job.spec.environ).items() if not reserved_env(k)}
@@ -273,7 +271,7 @@ class JobHooks:
         except UnknownUser as exc:
             await self._report(job, notice, hook, str(exc), tries=0)
             return
-        timeout = self.config.notify_timeout
+        timeout = self.live.current.notify_timeout
         told = {**identity.identity_env(), "PATH": SANE_PATH, **variables(notice)}
         if hook.kind == "url":
             told["DDPD_NOTIFY_JSON"] = json.dumps(asdict(notice))
@@ -300,7 +298,7 @@ class JobHooks:
     async def _once(self, identity: Identity, argv: list[str], env: dict[str, str], answer: bool = False) -> HookRun:
         """One run of a hook (or of the drawing) as the submitter, in a cgroup of its own (where there
         is a subtree), bounded; abandoned on cancel (the cgroup's end kills it)."""
-        timeout = self.config.notify_timeout
+        timeout = self.live.current.notify_timeout
         return await run_contained(
             HOOKS, self.subtree, f"{identity.uid}-{next(self._serial)}",
             lambda place: run_hook(argv, env, identity, timeout, place, answer=answer),

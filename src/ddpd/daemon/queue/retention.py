@@ -20,6 +20,7 @@ import structlog
 
 from ..store.errors import StorageError
 from ..store.journal import Journal
+from .live import LiveConfig
 
 log = structlog.get_logger("ddpd")
 
@@ -49,9 +50,9 @@ def beyond_bounds(count: int, size: int, max_jobs: int, max_bytes: int) -> bool:
 
 
 class Retention:
-    def __init__(self, journal: Journal, retention: float, clock: Callable[[], float]) -> None:
+    def __init__(self, journal: Journal, live: LiveConfig, clock: Callable[[], float]) -> None:
         self.journal = journal
-        self.retention = retention  # seconds; 0: keep forever
+        self.live = live  # the daemon's current config (its `retention`: read at each look)
         self.clock = clock  # wall-clock time, as jobs' finished_at
         self._wake = anyio.Event()
         self._users: set[int] = set()  # users whose history may be past its bounds
@@ -65,10 +66,10 @@ class Retention:
         self._users.add(uid)
         self.wake()
 
-    def reconfigure(self, retention: float) -> None:
-        """A reloaded retention (seconds; 0: keep forever): looked at again at once."""
-        self.retention = retention
-        self.wake()
+    @property
+    def retention(self) -> float:
+        """Seconds an ended job is kept (0: forever), as the current config says."""
+        return self.live.current.retention
 
     async def next_expiry(self) -> float | None:
         if self.retention <= 0:

@@ -36,6 +36,7 @@ from ..store.journal import Journal
 from ..store.records import Job
 from .commands import Cancel, Command, Ended, GpuFault, Preempt, Requeued, RunEnd, Stop
 from .ends import JobEnds
+from .live import LiveConfig
 from .notifyhooks import JobHooks
 
 log = structlog.get_logger("ddpd")
@@ -49,18 +50,23 @@ class Quarantine(Protocol):
     def must_move(self, gpus: list[str]) -> bool: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Supervision:
     """What every runner works with: the daemon's current config (a reload replaces it: new attempts
     use it), the journal, the warm pool, the cgroup subtree, the quarantine, the hooks, the end."""
 
-    config: Config
+    live: LiveConfig
     journal: Journal
     pool: WarmPool | None
     subtree: Subtree | None
     quarantine: Quarantine
     hooks: JobHooks
     ends: JobEnds
+
+    @property
+    def config(self) -> Config:
+        """The daemon's config now (`live.LiveConfig`): an attempt is given it when it starts."""
+        return self.live.current
 
 
 class JobRunner:
