@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,10 @@ async def test_ddpctl_daemon_and_the_web_view_show_each_server_to_whom_it_may(
         assert mine["forks"] >= NPROC and mine["user"] == "root" and mine["idle"] is not None
         assert seen[ann.uid]["pid"] == hers and status_uid(hers) == ann.uid
         assert seen[ann.uid]["python"] == USER_PYTHON and seen[ann.uid]["user"] == ann.name
+        started = time.perf_counter()
+        burst = [await d.client.daemon_info() for _ in range(20)]  # the Pss of a burst is read once per CACHE_TTL
+        print("pool_view", {"daemon_info_ms": round((time.perf_counter() - started) * 1000 / 20, 2),
+                            "servers": [(s.uid, s.state, s.pss, s.spares, s.forks) for s in burst[-1].pool_servers]})
         text = await ddpctl_daemon(d, None)
         line = next(line for line in text.splitlines() if line.startswith("fork server") and f"pid {own}," in line)
         assert f"root {sys.executable} env {mine['env']}: pid {own}, ready, Pss " in line, line

@@ -35,7 +35,7 @@ from .replies import Detail
 
 log = structlog.get_logger("ddpd")
 
-READ_DEADLINE = 0.5  # seconds a request waits for a round of Pss reads
+READ_DEADLINE = 1.0  # seconds a request waits for a round of Pss reads (about 4 ms a process here)
 CACHE_TTL = 2.0  # seconds a Pss value is shown before it is read again
 FORGET_AFTER = 60.0  # seconds after which a pid's last value is dropped from the cache
 ROLLUP_LIMIT = 16384  # bytes of smaps_rollup read (about 1 KiB in practice)
