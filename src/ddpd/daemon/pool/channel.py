@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -29,6 +30,7 @@ import anyio
 
 from ...protocol import Decoder, FrameError, LineSplitter, encode
 from ...protocol.channel import DaemonMessage, WorkerMessage
+from ..contain.procs import wait_gone
 
 QUEUE_LIMIT = 256  # frames read but not yet taken: past this the socket is not read
 SEND_WAIT = 5.0  # seconds one send waits for a worker to make room in its socket
@@ -84,6 +86,30 @@ class WorkerChannel:
         finally:
             if self._quick is quick:  # (a reader left behind unfinished is finalised later: not another's)
                 self._quick = None
+
+    async def first_frame(self, pid: int) -> WorkerMessage | None:
+        """The first frame (the rest stays for the next reader); None at the channel's end, a bad
+        frame, or once process `pid` (the worker) has exited, whichever comes first. Not only the
+        channel's end: what the worker left behind may hold its end open (a `setsid` child of a user's
+        interpreter wrapper inherits it), and a pool worker that died before its Hello was then
+        never reaped, its cgroup and the escapee in it kept until the daemon stopped."""
+        frame: WorkerMessage | None = None
+        async with anyio.create_task_group() as tg:
+            async def read() -> None:
+                nonlocal frame
+                with contextlib.suppress(FrameError):
+                    async for first in self.frames():
+                        frame = first
+                        break
+                tg.cancel_scope.cancel()
+
+            async def gone() -> None:
+                await wait_gone(pid)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(read)
+            tg.start_soon(gone)
+        return frame
 
     def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is None and not self._ended and not self.closed:

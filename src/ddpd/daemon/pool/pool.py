@@ -52,7 +52,7 @@ import itertools
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 import anyio
@@ -60,8 +60,7 @@ import anyio.to_thread
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from ...protocol import FrameError
-from ...protocol.channel import Hello, WorkerMessage
+from ...protocol.channel import Hello
 from ...protocol.worker import worker_args
 from ..config import Config
 from ..contain import procs
@@ -238,10 +237,7 @@ class WarmPool:
                          cores=self._cores, cgroup=str(w.cgroup.path))
 
     def _held(self) -> dict[PoolKey, int]:
-        held = {k: len(q) for k, q in self._ready.items() if q}
-        for w in self._starting:
-            held[w.key] = held.get(w.key, 0) + 1
-        return held
+        return Counter([w.key for q in self._ready.values() for w in q] + [w.key for w in self._starting])
 
     async def _fill(self, tg: TaskGroup) -> None:
         now = time.monotonic()
@@ -252,15 +248,16 @@ class WarmPool:
             self._failures.pop(key, None)
             self._claims.forget(key)
             log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
+        # and those still starting of keys no longer wanted, at once: one that never said Hello (a user's wrapper
+        # that never execs python) was kept till the daemon stopped, with its core and its cgroup's escapees
+        for w in [w for w in self._starting if w.key not in self._demand and not w.retired]:
+            self._retire(w, starting=True)
         # backoffs still running, of keys still wanted (a past one must not wake the loop again)
         self._retry_at = {k: t for k, t in self._retry_at.items() if t > now and k in self._demand}
         for key, n in todo.retire.items():
             ready = self._ready.get(key, deque())
             for _ in range(min(n, len(ready) - self._claims.held(key, now))):  # a job's start lowered the want
-                w = ready.popleft()  # the oldest first
-                w.retired = True
-                log.info("pool.worker_retired", pid=w.pid, uid=key.uid)
-                self._kill(w)  # its watcher reaps it and ends its cgroup
+                self._retire(ready.popleft())  # the oldest first
         for key, n in todo.spawn.items():
             if key in self._retry_at:
                 continue
@@ -294,8 +291,7 @@ class WarmPool:
                                                         f"pool-{os.getpid()}-{next(self._names)}")
             log_fd = await anyio.to_thread.run_sync(self._open_log, shape)
         except OSError as exc:
-            if cgroup is not None:
-                await anyio.to_thread.run_sync(POOL.end, cgroup)
+            await POOL.aend(cgroup)
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -306,8 +302,7 @@ class WarmPool:
                                place=None if cgroup is None else cgroup.add, what="a pool interpreter's start")
         except OSError as exc:
             parent_end.close()
-            if cgroup is not None:
-                await anyio.to_thread.run_sync(POOL.end, cgroup)
+            await POOL.aend(cgroup)
             log.error("pool.spawn_failed", error=str(exc), key=shape.key.label())
             return None
         finally:
@@ -327,22 +322,17 @@ class WarmPool:
         """Read the worker's Hello, then wait on its pidfd until it dies or is taken."""
         with w.scope:
             try:
-                hello: WorkerMessage | None = None
-                try:
-                    async for first in w.channel.frames():
-                        hello = first
-                        break  # only the first frame: the rest of the channel is the attempt's
-                except FrameError:
-                    hello = None
+                hello = await w.channel.first_frame(w.pid)  # (the rest of the channel is the attempt's)
                 self._starting.discard(w)
                 if w.held and w.cgroup is not None:  # frozen just after its Hello: ready ones never are
                     w.held = freeze_cgroup(w.cgroup, False)
-                if not isinstance(hello, Hello) or hello.pid != w.pid:
+                if w.retired or not isinstance(hello, Hello) or hello.pid != w.pid:
                     self._kill(w)
                     exit_ = await procs.wait_exit(w.proc)
-                    log.error("pool.worker_failed", pid=w.pid, exit=str(exit_), log=str(self.log_path),
-                              first_frame=type(hello).__name__, uid=w.key.uid)
-                    self._failed(w.key)
+                    if not w.retired:  # (retired: its key was forgotten while it started)
+                        log.error("pool.worker_failed", pid=w.pid, exit=str(exit_), log=str(self.log_path),
+                                  first_frame=type(hello).__name__, uid=w.key.uid)
+                        self._failed(w.key)
                     return
                 self._failures.pop(w.key, None)
                 w.hello = hello
@@ -371,11 +361,15 @@ class WarmPool:
                 if w.proc.returncode is not None:  # reaped; else (shutdown) `_close` kills it
                     self._workers.discard(w)
                     w.channel.close()
-                    if w.cgroup is not None and not w.taken:
-                        with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(POOL.end, w.cgroup)
+                    if not w.taken:
+                        await POOL.aend(w.cgroup)  # shielded: whatever it left in its cgroup dies with it
                 if not w.taken:
                     self._wake.set()
+
+    def _retire(self, w: PoolWorker, **facts: bool) -> None:
+        w.retired = True
+        log.info("pool.worker_retired", pid=w.pid, uid=w.key.uid, **facts)
+        self._kill(w)  # its watcher reaps it and ends its cgroup, whatever it left there
 
     def _kill(self, w: PoolWorker) -> None:
         if w.proc.returncode is None:  # not reaped yet: the pid is still ours (it leads its own group until taken)
@@ -393,8 +387,7 @@ class WarmPool:
             for w in left:
                 await procs.wait_exit(w.proc)
         for w in left:
-            if w.cgroup is not None:
-                await anyio.to_thread.run_sync(POOL.end, w.cgroup)
+            await POOL.aend(w.cgroup)
         alive = [w.pid for w in left if w.proc.poll() is None]
         log.info("pool.stopped", killed=[w.pid for w in left], unkillable=alive)
 
