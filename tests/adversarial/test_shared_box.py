@@ -2,9 +2,9 @@
 
 Each test is one of the ways a local user or a job of theirs reached past its share of a shared
 box: descriptors exhausted at the door, connections hoarded (idle, or `wait`s of a client that then
-vanished), a rotation redirected through a swapped directory, an interpreter check that left a
-process behind and held the other users' checks, orphans piling up as zombies, ranks given the
-daemon's environment, a rank growing the database. Each asserts that the daemon stays up and
+vanished), a rotation redirected through a swapped directory, orphans piling up as zombies, ranks
+given the daemon's environment, a rank growing the database (a user's hostile interpreter:
+`test_hostile_wrappers`). Each asserts that the daemon stays up and
 answers the other user (and root) within a bound, that the attacked job is unaffected where the
 fix says so, and that nothing is left: no process, no zombie of the daemon, no cgroup.
 
@@ -14,7 +14,6 @@ The users' own code runs on the system's python with this checkout on its path
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import resource
@@ -28,10 +27,9 @@ import anyio
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from ddpd.daemon.contain.cgroups import Cgroup, probe
 from ddpd.daemon.contain.identity import SANE_PATH, Identity
 from ddpd.daemon.contain.usertree import ensure_dirs
-from ddpd.protocol import JobSpec, JobState, RemoteError
+from ddpd.protocol import JobSpec, JobState
 
 from ..conftest import REPO, DaemonProc, running_daemon
 from ..rawclient import ping_within
@@ -164,13 +162,6 @@ def processes_with(text: str) -> list[int]:
     return found
 
 
-def check_cgroups() -> list[Path]:
-    support = probe()
-    if support.path is None:
-        return []
-    return [p for pattern in ("*/check-*", "*/*/check-*") for p in support.path.glob(pattern)]
-
-
 async def test_running_out_of_descriptors_pauses_accepting_and_ends_nothing(
     users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:
@@ -266,85 +257,6 @@ async def test_rotation_never_follows_a_swapped_directory_into_another_users_tre
         await d.client.cancel(job_id)
         with anyio.fail_after(TIMEOUT):
             assert (await d.client.wait(job_id)).state == JobState.CANCELLED
-
-
-def _slow_wrapper(base: Path, tag: str) -> Path:
-    """An interpreter of Ann's that leaves a `setsid` process behind and waits for `base/gate` first."""
-    path = base / "slow-python"
-    path.write_text(f"#!/bin/sh\nsetsid sleep {tag} </dev/null >/dev/null 2>&1 &\n"
-                    f"while [ ! -e {base}/gate ]; do sleep 0.05; done\nexec {USER_PYTHON} \"$@\"\n")
-    path.chmod(0o755)
-    return path
-
-
-async def test_interpreter_checks_are_contained_and_one_users_do_not_hold_anothers(
-    users: tuple[Identity, Identity], public_tmp: Path
-) -> None:
-    """Bug: the check ran user code outside any cgroup (a `setsid` child of it outlived the job, the
-    daemon and its recovery), and its slots were daemon-wide: 8 slow checks of one user made
-    another user's submit wait 32 s."""
-    ann, bob = users
-    if not probe().usable:
-        pytest.skip("cgroup v2 is not writable here: checks cannot have cgroups of their own")
-    tag = f"3{os.getpid() % 1000:03d}.5"  # a `sleep` duration no other process uses
-    slow = _slow_wrapper(public_tmp, tag)
-    quick = public_tmp / "quick.py"
-    quick.write_text("print('ok')\n")
-    async with shared_box(public_tmp, "interpreter_checks_per_user = 2\n") as d:
-        results: list[str] = []
-        async with anyio.create_task_group() as tg:
-            async def hers() -> None:
-                results.append(await submit_as(ann, d, script_spec(str(quick), python=str(slow))))
-
-            for _ in range(3):
-                tg.start_soon(hers)
-            # two of hers are in their checks (the third waits its turn)
-            await eventually(lambda: len(processes_with(f"sleep {tag}")) >= 2, 60)
-            assert len(processes_with(f"sleep {tag}")) == 2
-            with anyio.fail_after(90):  # his check runs meanwhile: import torch, on a loaded machine
-                his = await submit_as(bob, d, script_spec(str(quick)))
-            assert not his.startswith("refused"), his
-            assert results == []
-            (public_tmp / "gate").touch()
-        assert len(results) == 3 and not any(r.startswith("refused") for r in results), results
-        for job_id in [*results, his]:
-            with contextlib.suppress(RemoteError):  # it may have ended already
-                await d.client.cancel(job_id)
-        for job_id in [*results, his]:
-            with anyio.fail_after(TIMEOUT):
-                await d.client.wait(job_id)
-        assert processes_with(f"sleep {tag}") == []  # each ended with its check's cgroup
-        # a check's cgroup is removed off the loop once it has emptied: wait for that, bounded
-        await eventually(lambda: check_cgroups() == [], 30)
-
-
-async def test_a_check_a_killed_daemon_left_is_ended_at_the_next_start(
-    users: tuple[Identity, Identity], public_tmp: Path
-) -> None:
-    """What a check left running when the daemon was killed (its cgroup, a process of the user's in
-    it) is killed and removed when the daemon starts again, before it serves anyone."""
-    ann, _ = users
-    if not probe().usable:
-        pytest.skip("cgroup v2 is not writable here: checks cannot have cgroups of their own")
-    async with shared_box(public_tmp) as d:
-        jobs = Path((await d.wait_log(lambda e: e.get("event") == "cgroup.ready"))["path"])
-    os.makedirs(jobs, exist_ok=True)  # a daemon alone under the root cgroup removed its own at its stop
-    left = Cgroup.create(jobs, f"check-{ann.uid}-1")
-    proc = await anyio.open_process(["sleep", "600"], user=ann.uid, group=ann.gid, extra_groups=[])
-    try:
-        left.add(proc.pid)
-        async with shared_box(public_tmp) as d:
-            with anyio.fail_after(30):
-                await proc.wait()  # killed with its cgroup, at the start
-            assert proc.returncode == -9
-            assert not left.path.exists()
-            await pings(ann, d)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        left.kill(10)
-        left.remove()
 
 
 async def test_orphans_of_a_job_are_reaped(users: tuple[Identity, Identity], public_tmp: Path) -> None:
