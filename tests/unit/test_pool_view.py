@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import anyio
 import msgspec
 import pytest
 from rich.console import Console
@@ -53,6 +54,22 @@ async def test_the_cache_reads_each_pid_once_per_ttl_off_the_loop() -> None:
     before = stale._values[os.getpid()][1]
     got = await stale.get([os.getpid()])
     assert stale._values[os.getpid()][1] > before and got[os.getpid()] is None  # read again; at ttl 0 never shown
+
+
+@pytest.mark.anyio
+async def test_a_read_past_the_deadline_answers_unknown_and_the_next_round_reads() -> None:
+    """A request never waits on /proc longer than its deadline (a process holding its mmap lock would
+    stall the read): what was not read by then is unknown. Bug: a round cut short before its thread
+    started (here at once: a deadline of 0) stayed in flight for good, and every later read was
+    unknown."""
+    cache = PssCache(ttl=60.0, deadline=0.0)
+    with anyio.fail_after(5):
+        assert await cache.get([os.getpid()]) == {os.getpid(): None}
+        assert await cache.get([os.getpid()]) == {os.getpid(): None}
+    cache.deadline = 30.0
+    with anyio.fail_after(30):
+        got = await cache.get([os.getpid()])
+    assert (got[os.getpid()] or 0) > 10 * MIB
 
 
 def test_a_viewer_without_detail_sees_the_counts_and_not_the_key() -> None:

@@ -64,15 +64,16 @@ class PssCache:
     def __init__(self, ttl: float = CACHE_TTL, deadline: float = READ_DEADLINE) -> None:
         self.ttl = ttl
         self.deadline = deadline
-        self._lock = threading.Lock()  # `_values` and `_busy`: the reading thread writes them
+        self._lock = threading.Lock()  # `_values`, `_busy` and `_reading`: the reading thread writes them
         self._values: dict[int, tuple[int | None, float]] = {}  # pid: (Pss, when read, monotonic)
-        self._busy = False  # a round's thread is still reading (it clears this itself when done)
+        self._busy: object | None = None  # the round in flight (its thread clears it when done)
+        self._reading: object | None = None  # the round whose thread has started
         self._round: anyio.Event | None = None  # set when the round in flight has ended or timed out
 
     async def get(self, pids: Collection[int]) -> dict[int, int | None]:
         """Each pid's Pss, read within the last `ttl` seconds; None where no read finished in time."""
         stale = [p for p in pids if not self._fresh(p, time.monotonic())]
-        if stale and not self._busy:
+        if stale and self._busy is None:
             await self._read_round(stale)
         elif stale and self._round is not None:  # a round is in flight: share it (a stuck one: unknown)
             with anyio.move_on_after(self.deadline):
@@ -88,20 +89,29 @@ class PssCache:
         return got is not None and now - got[1] <= self.ttl
 
     async def _read_round(self, pids: list[int]) -> None:
+        token = object()
         with self._lock:
-            self._busy = True
+            self._busy = token
             self._values = {p: v for p, v in self._values.items() if time.monotonic() - v[1] < FORGET_AFTER}
         self._round = done = anyio.Event()
         try:
             with anyio.move_on_after(self.deadline) as scope:
-                await anyio.to_thread.run_sync(self._read, pids, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(self._read, pids, token, abandon_on_cancel=True)
             if scope.cancelled_caught:
                 log.warning("pool.pss_slow", pids=pids, deadline=self.deadline)
         finally:
             done.set()
+            with self._lock:  # Bug: cut short before its thread started (to_thread checkpoints first; the
+                if self._reading is not token and self._busy is token:  # limiter's wait), the round
+                    self._busy = None  # stayed in flight for good and every later Pss was unknown
 
-    def _read(self, pids: list[int]) -> None:
-        """In the worker thread: read each pid, storing each value as it comes."""
+    def _read(self, pids: list[int], token: object) -> None:
+        """In the worker thread: read each pid of round `token`, storing each value as it comes (nothing
+        where the round was given up before the thread started)."""
+        with self._lock:
+            if self._busy is not token:
+                return
+            self._reading = token
         try:
             for pid in pids:
                 value = pss_of(pid)
@@ -109,7 +119,7 @@ class PssCache:
                     self._values[pid] = (value, time.monotonic())
         finally:
             with self._lock:
-                self._busy = False
+                self._busy = None
 
 
 def env_digest(key: PoolKey) -> str:
