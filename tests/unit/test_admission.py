@@ -122,7 +122,7 @@ async def test_a_job_that_cannot_be_saved_leaves_no_trace(sched: Jobs, tmp_path:
     finally:
         holder.rollback()
         holder.close()
-    now = sched.overview()
+    now = sched.overview(order=True)
     assert sum(now.states.values()) == 0 and (now.active, now.queued) == (0, 0) and now.positions == {}
     done = await sched.submit(SPEC, 1000, "k")  # the retry is a new job, saved
     job, existed = done.job, done.existing

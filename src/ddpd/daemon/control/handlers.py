@@ -199,7 +199,7 @@ async def resubmit(ctx: Context, req: Resubmit, uid: int) -> SubmitResult:
 
 async def status(ctx: Context, req: Status, uid: int) -> JobView:
     job = await _job(ctx, req.job_id)
-    view = await with_rank_gpus(positioned(job.view(), ctx.jobs.overview().positions), job,
+    view = await with_rank_gpus(positioned(job.view(), ctx.jobs.overview(order=True).positions), job,
                                 ctx.services.devices, ctx.services.utilization)
     return visible_view(view, await _detail(ctx, uid))
 
@@ -208,7 +208,7 @@ async def list_jobs(ctx: Context, req: ListJobs, uid: int) -> JobPage:
     limit = min(req.limit, LIST_LIMIT)
     jobs = await ctx.jobs.page(limit + 1, req.before, active=not req.all)
     return job_page(jobs, active_only=not req.all, limit=limit, before=req.before,
-                    detail=await _detail(ctx, uid), positions=ctx.jobs.overview().positions)
+                    detail=await _detail(ctx, uid), positions=ctx.jobs.overview(order=True).positions)
 
 
 async def cancel(ctx: Context, req: Cancel, uid: int) -> CancelResult:
@@ -312,7 +312,7 @@ async def gpu_release(ctx: Context, req: GpuRelease, uid: int) -> GpuReleaseResu
 
 async def share(ctx: Context) -> ShareResult:
     """Each user's usage and fair-share factor (queue.fairshare), with their names where passwd has them."""
-    overview = ctx.jobs.overview()
+    overview = ctx.jobs.overview(order=True)
     views, half_life = overview.shares, overview.half_life
     names = await anyio.to_thread.run_sync(lambda: {v.uid: _user_name(v.uid) for v in views})
     return ShareResult(users=[msgspec.structs.replace(v, name=names[v.uid]) for v in views], half_life=half_life)

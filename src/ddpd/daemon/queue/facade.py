@@ -3,7 +3,8 @@
 `Jobs` is the one surface control and metrics call, eight methods grouped by purpose: a job by its
 id (`find`) and a page of jobs (`page`); what a request does to jobs (`submit`, `cancel`, `remove`,
 `stacks`, `release_gpu`); and what the views read, one frozen `Overview` of the jobs at one instant
-(queue positions, running jobs, counts by state, the share table, CPU slots and GPUs). Control never
+(running jobs, counts by state, CPU slots and GPUs; the queue positions and the share table where
+asked for). Control never
 holds a part of the queue, nor the lifecycle.
 
 `JobQueue` builds the parts (table, fair share, retention and history, GPU quarantine, hooks,
@@ -57,12 +58,12 @@ class Overview:
     """The jobs at one instant, as the views (status, list, share, daemon info, metrics) read them."""
 
     accepting: bool  # False once the daemon stops: a submit is refused
-    positions: Mapping[str, int]  # each queued job's place in line (1: the next to start)
     running: tuple[Job, ...]  # the started jobs not yet ended (they hold their resources)
     states: Mapping[JobState, int]  # jobs on record, by state
     active: int  # jobs starting or running (restarts included), by their recorded state
     queued: int  # jobs queued, by their recorded state
-    shares: tuple[ShareView, ...]  # each user's usage and fair-share factor (queue.fairshare)
+    positions: Mapping[str, int]  # `order` only: each queued job's place in line (1: the next to start)
+    shares: tuple[ShareView, ...]  # `order` only: each user's usage and fair-share factor (queue.fairshare)
     half_life: float  # of usage, seconds (0: no decay)
     cpu_slots: int
     free_cpu_slots: int
@@ -122,19 +123,25 @@ class Jobs:
         self._q.scheduler.wake()  # a released GPU may let queued jobs start
         return record
 
-    def overview(self) -> Overview:
-        """The jobs now (read between two of their changes: no await here)."""
+    def overview(self, *, order: bool = False) -> Overview:
+        """The jobs now (read between two of their changes: no await here). With `order`, the queue's
+        order and the share table too (each a pass over the queue by fair share: 0.5 ms and more at
+        a thousand queued jobs, so a submit or a status line does without); without, both are empty."""
         q = self._q
         states = [j.state for j in q.table.jobs.values()]
-        usage = q.share.now(q.clock())
-        shares = share_views(usage, q.scheduler.fair_factors(frozenset(usage)), q.table.unended.values(),
-                             q.runners.ids())
+        positions: Mapping[str, int] = {}
+        shares: list[ShareView] = []
+        if order:  # the share table's usage as of before this charge (fair_factors charges the running jobs)
+            usage = q.share.now(q.clock())
+            shares = share_views(usage, q.scheduler.fair_factors(frozenset(usage)), q.table.unended.values(),
+                                 q.runners.ids())
+            positions = q.scheduler.queue_positions()
         res = q.resources
-        return Overview(accepting=q.scheduler.accepting, positions=q.scheduler.queue_positions(),
-                        running=tuple(q.runners.running_jobs()), states=q.table.state_counts(),
-                        active=sum(s in ACTIVE for s in states), queued=states.count(JobState.QUEUED),
-                        shares=tuple(shares), half_life=q.share.half_life, cpu_slots=res.total_cpu,
-                        free_cpu_slots=res.free_cpu, gpus=res.total_gpus, free_gpus=len(res.free_gpus))
+        return Overview(accepting=q.scheduler.accepting, running=tuple(q.runners.running_jobs()),
+                        states=q.table.state_counts(), active=sum(s in ACTIVE for s in states),
+                        queued=states.count(JobState.QUEUED), positions=positions, shares=tuple(shares),
+                        half_life=q.share.half_life, cpu_slots=res.total_cpu, free_cpu_slots=res.free_cpu,
+                        gpus=res.total_gpus, free_gpus=len(res.free_gpus))
 
 
 class JobQueue:
