@@ -116,8 +116,9 @@ async def test_interpreter_checks_are_contained_and_one_users_do_not_hold_anothe
         await eventually(lambda: check_cgroups() == [], 30)
 
 
+@pytest.mark.parametrize("fork_server", [True, False], ids=["fork-server", "interpreters"])
 async def test_a_pool_member_whose_wrapper_never_runs_python_is_retired_with_its_key(
-    users: tuple[Identity, Identity], public_tmp: Path
+    users: tuple[Identity, Identity], public_tmp: Path, fork_server: bool
 ) -> None:
     """Bug: a pool member that never said Hello (a wrapper that backgrounds a `setsid` process and never
     execs python when started for the pool) was never retired: its key was forgotten, and the member
@@ -133,7 +134,8 @@ async def test_a_pool_member_whose_wrapper_never_runs_python_is_retired_with_its
     wrapper.chmod(0o755)
     quick = public_tmp / "quick.py"
     quick.write_text("print('ok')\n")
-    async with shared_box(public_tmp, "pool_idle_expiry = 15.0\n", "--pool-size", "2") as d:
+    config = f"pool_idle_expiry = 15.0\npool_fork_server = {str(fork_server).lower()}\n"
+    async with shared_box(public_tmp, config, "--pool-size", "2") as d:
         job_id = await submit_as(ann, d, script_spec(str(quick), python=str(wrapper)))
         assert not job_id.startswith("refused"), job_id
         with anyio.fail_after(TIMEOUT):
