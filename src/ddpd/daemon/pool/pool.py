@@ -16,12 +16,14 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   (as every rank does, and keeps when taken), so an idle one is never hit by an attempt's signals. Its
   stdout/stderr go to ``pool.log`` (the daemon's, or the user's in their tree) until it is
   assigned; then it appends them to its rank log (``Assign.log_path``).
-- **Readiness**: the worker's Hello (its CONNECTED) is read here; then it is ready and the pool
+- **Readiness**: the worker's Hello (its CONNECTED) is read here, or its exit seen, whichever comes
+  first (what a user's wrapper left may hold the channel open); then it is ready and the pool
   watches only its pidfd (it sends nothing before Assign: the channel is handed over unread).
 - **Death while idle**: the pidfd wakes the watcher; the worker is reaped, its cgroup killed and
-  removed, logged (``pool.worker_died``) and replaced. A key whose workers die before their
-  Hello backs off exponentially (1 s doubling to 60 s), so a broken interpreter cannot spawn in a
-  loop; other keys are not held up.
+  removed (a wrapper's `setsid` escapee with it), logged (``pool.worker_died``) and replaced. A key
+  whose workers die before their Hello backs off exponentially (1 s doubling to 60 s), so a broken
+  interpreter cannot spawn in a loop; other keys are not held up. A forgotten key's members end,
+  ready or still starting (one that never says Hello too).
 - **take(key)**: hands out a ready worker of that key only and stops watching it; the attempt
   owns it from then on (it moves the worker's cgroup into the attempt's): one rank of one job,
   never returned. None when none is ready (the rank starts cold). A job's `use` claims its ranks
