@@ -130,8 +130,10 @@ async def test_a_user_stopping_its_gate_mid_launch_freezes_nothing(
     users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:
     ann, bob = users
-    config = "pool_size = 0\n"
-    async with shared_box(public_tmp, config) as d:
+    # cold ranks, started through the gate, even in a tier run on a pool (DDPD_TEST_POOL_SIZE's flag
+    # outweighed the config's `pool_size = 0`): a rank its key's fork server forks has no gate to
+    # stop, and the stopper then stopped a pool server's gate instead, or nothing in 8 tries
+    async with shared_box(public_tmp, "", "--pool-size", "0") as d:
         # unstopped, the same launch starts and succeeds (and the interpreter check is remembered)
         spec = quoted_spec("a")
         first = await submit_as(ann, d, spec)
