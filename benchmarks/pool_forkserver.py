@@ -13,11 +13,11 @@ alternating the two in every repetition, each after the same settle (benchmarks/
   (``rank.replaced``, then ``rank.progress``), and the steps lost. The refills of the interpreter
   pool are behind the first job then: the case of a busy box.
 - **a new key** (fork server daemon only): a 2-rank classic job with a start-up variable no job had
-  (``TORCH_DDPD_BENCH_KEY``: a new pool key) runs cold while its key's server starts beside it:
-  submit → RUNNING; the server's own start (spawned → ready, its ``pool.worker_ready`` line); and
-  the key's next job through the server, submit → RUNNING. Had the first job waited for the server,
-  it would have been RUNNING no sooner than the server's start plus a warm start: the two sums
-  are printed side by side.
+  in its submitted environment (``TORCH_DDPD_BENCH_KEY``: a new pool key) runs cold while its key's
+  server starts beside it: submit → RUNNING; the server's own start (spawned → ready, its
+  ``pool.worker_ready`` line); and the key's next job through the server, submit → RUNNING. Had
+  the first job waited for the server, it would have been RUNNING no sooner than the server's start
+  plus a warm start: the two sums are printed side by side.
 - **memory**: after the 8-rank repetitions, the proportional memory (Pss, smaps_rollup) of one
   pool interpreter (the fork server), and of the key's whole pool: the ready interpreters, or the
   server and the spares it forked ahead (as many as the last job's ranks: 8).
@@ -26,7 +26,9 @@ alternating the two in every repetition, each after the same settle (benchmarks/
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -104,7 +106,7 @@ def _log_events(d: Daemon, name: str) -> list[dict[str, object]]:
 async def server_started(d: Daemon, before: int) -> float:
     """Seconds from the spawn of the next fork server after the first `before` ready lines to its
     ready line (the log is read until it is there, bounded)."""
-    with anyio.fail_after(120):
+    with anyio.fail_after(60):
         while True:
             ready = [e for e in _log_events(d, "pool.worker_ready") if e.get("server")]
             if len(ready) > before:
@@ -116,8 +118,10 @@ async def new_key_after(d: Daemon) -> tuple[float, float, float]:
     """A new key's first job (cold, its server starting beside it), its server's start, and the
     key's next job through the server: three submit → RUNNING or start times, in seconds."""
     servers = len([e for e in _log_events(d, "pool.worker_ready") if e.get("server")])
-    spec = JobSpec(name="bench-newkey", task="two-layer", nproc=2, steps=20, workdir=str(REPO),
-                   env={"TORCH_DDPD_BENCH_KEY": str(time.time_ns())})
+    # a key is the user, the interpreter and the submitted environment's start-up variables (as
+    # ddpctl sends them; a spec without them takes the daemon's own, one key)
+    spec = JobSpec(name="bench-newkey", task="two-layer", nproc=2, steps=20, workdir=str(REPO), python=sys.executable,
+                   environ={**os.environ, "TORCH_DDPD_BENCH_KEY": str(time.time_ns())})
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
