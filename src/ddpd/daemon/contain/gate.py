@@ -27,7 +27,7 @@ ids are on the gate's command line (as setpriv's options), never anything of the
   secrets are never on a command line. About 2.5 ms a rank, against 8 ms of CPU for an interpreter
   start (500 ranks: 4 s on a launch path that should take under 5 s).
 - *The Python gate*, the daemon's own interpreter (`-I -S`), reads the same document (`parse`,
-  which knows the four kinds of line the daemon writes and shlex.quote's grammar) and does the
+  which knows the four kinds of line the daemon writes and their quoting) and does the
   same with os calls. It takes what dash cannot carry: a name dash cannot export (bash's exported
   functions, `BASH_FUNC_f%%`, are common in a user's environment) or `OPTIND`, a stdin other than
   /dev/null, a launch over `SHELL_PIPE_LIMIT`, and a system without those three programs.
@@ -59,7 +59,6 @@ import functools
 import os
 import re
 import select
-import shlex
 import stat
 import subprocess
 import sys
@@ -83,11 +82,12 @@ class LaunchStalled(OSError):
     """The gate did not read its launch within LAUNCH_WAIT (what it was to start did not start)."""
 
 
-# The launch, in the one form both gates read: lines of words, each word shlex-quoted by
-# `launch_script` (unquoted safe characters, '...' runs, and "'" for a quote: shlex.quote's whole
-# grammar). The user's dash runs it; the Python gate reads it with `parse` (below, also run by the
-# tests against every kind of value), which knows the four kinds of line the daemon writes:
-# `umask`, `unset`, `export NAME=VALUE` and `exec ENV -C DIR -- ARGV... </dev/null`.
+# The launch, in the one form both gates read: lines of words, each of the job's words quoted by
+# `launch_script` ('...' runs, and "'" for a quote; the daemon's own words bare). The user's dash
+# runs it; the Python gate reads it with `parse` (below, also run by the tests against every kind
+# of value), which knows the four kinds of line the daemon writes: `umask`, `unset`, `export
+# NAME=VALUE` and `exec ENV -C DIR -- ARGV... </dev/null`. A quoted run is found with `index` (C
+# speed); only the bare words go a byte at a time.
 PARSE_SOURCE = r"""
 def parse(data):
     umask, env, cwd, argv = 0o22, {}, b"/", []
@@ -210,6 +210,12 @@ def shell_gate() -> ShellGate | None:
     return ShellGate(dash, setpriv, env) if dash and setpriv and env and _enters(env) else None
 
 
+def _quote(text: str) -> str:
+    """`text` as one shell word, always in single quotes (a quote as '"'"', as shlex.quote writes
+    it): what the Python gate reads a byte at a time is only the daemon's own words."""
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
 def launch_script(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: int = RANK_UMASK) -> bytes:
     """The launch both gates read (see PARSE_SOURCE). dash runs it as the user: `unset` its own PWD
     and OLDPWD (the job's, where it has them, are exported after), the environment exported (every
@@ -220,13 +226,12 @@ def launch_script(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: 
         raise ValueError("argv[0] must be an absolute path to the job's interpreter")
     if not os.path.isabs(cwd):
         raise ValueError(f"cwd must be an absolute path, not {cwd!r}")
-    q = shlex.quote
     gate = shell_gate()
     lines = [
         f"umask {umask:04o}",
         "unset PWD OLDPWD",
-        *(f"export {q(k)}={q(v)}" for k, v in env.items()),
-        f"exec {gate.env if gate else ENV_PATHS[0]} -C {q(cwd)} -- {' '.join(q(a) for a in argv)} </dev/null",
+        *(f"export {_quote(k)}={_quote(v)}" for k, v in env.items()),
+        f"exec {gate.env if gate else ENV_PATHS[0]} -C {_quote(cwd)} -- {' '.join(map(_quote, argv))} </dev/null",
     ]
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
 
