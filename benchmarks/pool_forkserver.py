@@ -139,15 +139,11 @@ async def new_key_after(d: Daemon) -> tuple[float, float, float]:
 def spare_pids(d: Daemon) -> list[int]:
     """Workers a fork server forked ahead and no job took: alive, and still in a pool cgroup."""
     found = []
-    for line in d.log_path.read_text(errors="replace").splitlines():
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue
-        if e.get("event") == "pool.forked" and e.get("spare"):
+    for e in _log_events(d, "pool.forked"):
+        if e.get("spare"):
             try:
                 if "/pool-" in Path(f"/proc/{e['pid']}/cgroup").read_text():
-                    found.append(int(e["pid"]))
+                    found.append(int(str(e["pid"])))
             except OSError:
                 continue
     return found

@@ -3,6 +3,7 @@ users made with useradd and a directory they can reach (tests/users.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ import pytest
 from anyio.abc import Process
 
 from ddpd.client import AsyncClient
-from ddpd.daemon.contain.cgroups import probe
+from ddpd.daemon.contain.cgroups import Cgroup, probe
 from ddpd.daemon.contain.identity import Identity
 from ddpd.protocol import JobSpec
 from ddpd.protocol.control import EventView, JobView
@@ -275,3 +277,31 @@ def public_tmp(request: pytest.FixtureRequest) -> Iterator[Path]:
     mode = int(mark.args[0]) if mark is not None else 0o755
     with public_dir(f"ddpd-{_module_tag(request)}-", mode) as path:
         yield path
+
+
+@pytest.fixture
+def cgroup_base() -> Iterator[Path]:
+    """A fresh cgroup under this process's own, removed (killed first) afterwards."""
+    support = probe()
+    if not support.usable or support.path is None:
+        pytest.skip(f"cgroup v2 is not writable here: {support.reason}")
+    base = support.path / f"ddpd-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    base.mkdir()
+    try:
+        yield base
+    finally:
+        for path in [*sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), base]:
+            cg = Cgroup(path)
+            assert cg.kill(30.0)
+            cg.remove()
+
+
+@pytest.fixture
+def subreaper() -> Iterator[None]:
+    """Orphans of the test's processes come to this process, so they can be reaped and proven gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    try:
+        yield
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)

@@ -6,19 +6,16 @@ group is killed; one past its bound is cut off; a contained run ends its cgroup,
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-from ddpd.daemon.contain.cgroups import Cgroup, Subtree, probe
+from ddpd.daemon.contain.cgroups import Cgroup, Subtree
 from ddpd.daemon.contain.helpers import HelperKind, Place, run_bounded, run_contained
 from ddpd.daemon.contain.identity import Identity
 from ddpd.daemon.control.interpreters import CHECKS
@@ -29,34 +26,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and the gate 
 
 BOUND = 30.0
 ENV = {"PATH": "/usr/bin:/bin"}
-
-
-@pytest.fixture
-def subreaper() -> Iterator[None]:
-    """Orphans of the test's helpers come to this process, so they can be reaped and proven gone."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    try:
-        yield
-    finally:
-        libc.prctl(36, 0, 0, 0, 0)
-
-
-@pytest.fixture
-def cgroup_base() -> Iterator[Path]:
-    """A fresh cgroup under this process's own, removed (killed first) afterwards."""
-    support = probe()
-    if not support.usable or support.path is None:
-        pytest.skip(f"cgroup v2 is not writable here: {support.reason}")
-    base = support.path / f"ddpd-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    base.mkdir()
-    try:
-        yield base
-    finally:
-        for path in [*sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), base]:
-            cg = Cgroup(path)
-            assert cg.kill(BOUND)
-            cg.remove()
 
 
 def _reaped_and_gone(pidfile: Path) -> None:

@@ -7,20 +7,18 @@ the user cannot run or import; a setsid, double-forked escapee is ended by `cgro
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from ddpd.daemon.contain.cgroups import Cgroup, own_cgroup, parse_mountinfo, prepare_subtree, probe
+from ddpd.daemon.contain.cgroups import Cgroup, own_cgroup, parse_mountinfo, prepare_subtree
 from ddpd.daemon.contain.gate import spawn_gated
 from ddpd.daemon.contain.identity import Identity, popen_kwargs
 from ddpd.daemon.contain.usertree import create_user_file, ensure_base, ensure_job_dir
@@ -38,32 +36,6 @@ SYSTEM_PYTHON = "/usr/bin/python3.11"
 VENV_PYTHON = sys.executable  # the suite's own interpreter (a venv under /root, mode 0700, on CI)
 
 
-@pytest.fixture
-def cgroup_base() -> Iterator[Path]:
-    """A fresh cgroup under this process's own, removed (killed first) afterwards."""
-    support = probe()
-    if not support.usable or support.path is None:
-        pytest.skip(f"cgroup v2 is not writable here: {support.reason}")
-    base = support.path / f"ddpd-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    base.mkdir()
-    try:
-        yield base
-    finally:
-        for path in [*sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), base]:
-            cg = Cgroup(path)
-            assert cg.kill(PROC_TIMEOUT)
-            cg.remove()
-
-
-@pytest.fixture
-def subreaper() -> Iterator[None]:
-    """Orphans of the test's processes come to this process, so they can be reaped and proven gone."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    try:
-        yield
-    finally:
-        libc.prctl(36, 0, 0, 0, 0)
 
 
 def _status(pid: int) -> dict[str, str]:
