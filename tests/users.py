@@ -4,6 +4,9 @@ one of them. The fixtures over these (`users`, `plain_users`, `public_tmp`) are 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import shutil
 import stat
@@ -13,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -76,23 +79,62 @@ def public_dir(prefix: str, mode: int) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+OPENED = Path(tempfile.gettempdir()) / "ddpd-tests-opened.json"  # the directories opened, and by whom
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def _opened_state() -> Iterator[dict[str, Any]]:
+    """The shared record of opened directories (modes to restore, the pids holding them open), read
+    and written under an exclusive lock: the suite's xdist workers open and restore the same ones."""
+    with open(OPENED.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            state: dict[str, Any] = json.loads(OPENED.read_text()) if OPENED.exists() else {}
+        except ValueError:
+            state = {}
+        state.setdefault("modes", {})
+        state["holders"] = [p for p in state.get("holders", []) if _alive(p)]  # a killed run's entries
+        yield state
+        OPENED.write_text(json.dumps(state))
+
+
 @contextmanager
 def opened_for_others(paths: list[str]) -> Iterator[None]:
-    """Every directory above `paths` made traversable by others (o+x: not listable) for the block,
-    each restored to its exact mode afterwards: a checkout in a home directory others cannot enter
-    (CI's clone) still serves the test users its sources and the venv's packages."""
-    changed: dict[Path, int] = {}
-    try:
+    """Every directory above `paths` made traversable by others (o+x: not listable) while any test
+    process of the run needs it, each restored to its exact mode when the last one is done: a
+    checkout in a directory others cannot enter (CI's clone, a `mktemp -d`) still serves the test
+    users its sources and the venv's packages. Bug: each worker restored what it had opened at the
+    end of its own block, closing the checkout under another worker's test users mid-test."""
+    me = os.getpid()
+    with _opened_state() as state:
         for path in paths:
             for parent in [Path(path), *Path(path).parents]:
                 st = parent.stat()
-                if parent not in changed and stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
-                    changed[parent] = stat.S_IMODE(st.st_mode)
-                    parent.chmod(changed[parent] | stat.S_IXOTH)
+                if str(parent) not in state["modes"] and stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
+                    state["modes"][str(parent)] = stat.S_IMODE(st.st_mode)
+                    parent.chmod(stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+        state["holders"].append(me)
+    try:
         yield
     finally:
-        for parent, mode in changed.items():
-            parent.chmod(mode)
+        with _opened_state() as state:
+            if me in state["holders"]:
+                state["holders"].remove(me)
+            if not state["holders"]:
+                for parent, mode in state["modes"].items():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.chmod(parent, mode)
+                state["modes"] = {}
 
 
 @contextmanager
