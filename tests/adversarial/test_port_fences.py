@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -230,9 +231,20 @@ async def test_a_killed_daemons_rules_block_no_one_and_a_start_sweeps_what_other
                 assert await reaches(bob, "127.0.0.1", port)
             assert fence_rules(job_id) == [], fence_rules(job_id)  # gone with the daemon
 
-            await anyio.to_thread.run_sync(leave_stale_rules, tag, d.proc.pid)
-            assert ruleset().count(f" {STALE}/") == 2
-            d = await start_daemon(tg, public_tmp, *flags, state_dir=d.state_dir)
+            # The killed daemon's rules, as its tag and a live pid: a daemon of the other xdist worker
+            # starting meanwhile sweeps the rules of a dead pid too, so only a live pid leaves them
+            # for this daemon's start alone (its own tag's earlier runs) to sweep.
+            stand_in = await anyio.open_process([sys.executable, "-c", "import sys; sys.stdin.read()",
+                                                 "ddpd-stand-in"], stdout=None, stderr=None)
+            try:
+                await anyio.to_thread.run_sync(leave_stale_rules, tag, stand_in.pid)
+                assert ruleset().count(f" {STALE}/") == 2
+                d = await start_daemon(tg, public_tmp, *flags, state_dir=d.state_dir)
+            finally:
+                assert stand_in.stdin is not None
+                await stand_in.stdin.aclose()
+                with anyio.fail_after(10):
+                    assert await stand_in.wait() == 0
             try:
                 assert f" {STALE}/" not in ruleset()
                 assert (await d.wait_log(lambda e: e.get("event") == "fence.swept"))["rules"] >= 2
