@@ -6,6 +6,8 @@ import json
 import os
 import random
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -42,6 +44,9 @@ seen = {
     "torch_seed": torch.initial_seed(), "threads": torch.get_num_threads(),
     "interop": torch.get_num_interop_threads(), "tasks": tasks, "fds": fds,
     "modules": "torch.distributed" in sys.modules,
+    # a fresh interpreter's: its main thread's own id, and no temporary directory chosen yet
+    "main_native_id": threading.main_thread().native_id == threading.get_native_id(),
+    "tempdir": tempfile.tempdir,
 }
 a = torch.randn(256, 256)
 seen["mm"] = float((a @ a).sum().item() != 0)  # the intra-op pool works (a fork-broken one hangs here)

@@ -67,15 +67,20 @@ POOL_IMPORTS = (
 
 
 def pool_imports() -> None:
-    """Import what DDP imports lazily, leaving the environment as it was: some of these modules set
-    variables as they load (torch._inductor: TORCHINDUCTOR_CACHE_DIR), which a cold start of the
-    job would not have before its own code ran."""
-    before = dict(os.environ)
+    """Import what DDP imports lazily, leaving the environment and `tempfile`'s directory as they
+    were: some of these modules set variables as they load (torch._inductor:
+    TORCHINDUCTOR_CACHE_DIR), which a cold start of the job would not have before its own code ran,
+    and ask `tempfile.gettempdir()`, which keeps its answer (from this process's TMPDIR, where the
+    job's own TMPDIR, applied on assignment, decides it in a cold start)."""
+    import tempfile
+
+    before, tempdir = dict(os.environ), tempfile.tempdir
     for name in POOL_IMPORTS:
         importlib.import_module(name)
     for key in [k for k in os.environ if k not in before]:
         del os.environ[key]
     os.environ.update(before)
+    tempfile.tempdir = tempdir
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> None:

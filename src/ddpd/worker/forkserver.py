@@ -8,20 +8,21 @@ becomes a rank, and starts no thread: a fork copies only the forking thread, so 
 thread held would stay locked in the child for good. Before each fork it counts its threads
 (``/proc/self/task``) and refuses (`ForkRefused`, with the count) where it is not alone.
 
-Each `Fork` carries the new worker's channel end (SCM_RIGHTS). The server forks twice (`fork_worker`):
-the intermediate child forks the worker and exits at once, the server reaps the intermediate and
-answers `Forked` with the worker's pid. The worker, orphaned, is reparented to the daemon (a child
-subreaper), which reaps it and reads its exit status as it does a rank's it started itself. In the
-worker (`become_worker`), before anything else: the server's channel is closed, a session and
-process group of its own (``setsid``, as every rank leads one), the intermediate's exit awaited
-(its pidfd), then PR_SET_PDEATHSIG set against its new parent, the daemon (set while the
+Each `Fork` carries the new worker's channel end (SCM_RIGHTS). The server forks twice
+(`fork_worker`): the intermediate child forks the worker and exits at once, the server reaps the
+intermediate and answers `Forked` with the worker's pid. The worker, orphaned, is reparented to the
+daemon (a child subreaper), which reaps it and reads its exit status as it does a rank's it started
+itself. In the worker (`become_worker`), before anything else: the server's channel is closed, a
+session and process group of its own (``setsid``, as every rank leads one), the intermediate's exit
+awaited (its pidfd), then PR_SET_PDEATHSIG set against its new parent, the daemon (set while the
 intermediate was its parent, it would have fired at the intermediate's exit; a fork clears it), and
 its parent checked to be the daemon (else it exits EXIT_ORPHANED, as a worker started by a parent
-that is gone). Then the state a fresh interpreter would not share with its siblings is seeded
-afresh (`reseed`): torch's default generator (a fresh interpreter seeds it from the system's
-entropy at import), numpy's legacy global generator where numpy is imported (seeded at its import;
-never at a fork), Python's `random` (CPython reseeds it at every fork itself). The worker then goes
-on as a pooled interpreter does: its own threads, Hello on its own channel, then its Assign.
+that is gone). The main thread's `native_id` becomes the worker's own (`own_native_id`). Then the
+state a fresh interpreter would not share with its siblings is seeded afresh (`reseed`): torch's
+default generator (a fresh interpreter seeds it from the system's entropy at import), numpy's legacy
+global generator where numpy is imported (seeded at its import; never at a fork), Python's `random`
+(CPython reseeds it at every fork itself). The worker then goes on as a pooled interpreter does: its
+own threads, Hello on its own channel, then its Assign.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import select
 import socket
 import sys
+import threading
 from typing import NoReturn
 
 from ddpd.protocol.channel import Fork, Forked, ForkRefused, Hello
@@ -125,6 +127,7 @@ def become_worker(parent: int) -> None:
     """In the forked worker: a session of its own, the daemon as its parent (its death signal
     against it), fresh random state (see the module docstring)."""
     os.setsid()
+    own_native_id()
     _await_reparent(parent)
     from .bootstrap import set_pdeathsig
 
@@ -132,6 +135,15 @@ def become_worker(parent: int) -> None:
     if os.getppid() != parent:  # the daemon is gone (or is no subreaper): nobody would reap this
         _orphaned()
     reseed()
+
+
+def own_native_id() -> None:
+    """The main thread's `native_id` made this process's own: CPython 3.11 leaves the forking
+    process's there after a fork (``threading._after_fork`` updates the ident only), where a fresh
+    interpreter has its own pid."""
+    main = threading.main_thread()
+    if main.native_id != threading.get_native_id():
+        main._set_native_id()  # type: ignore[attr-defined]
 
 
 def _await_reparent(parent: int) -> None:
