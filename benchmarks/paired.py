@@ -3,6 +3,7 @@
     python -m benchmarks.paired                       # both models, 100 rounds each, 2 ranks
     python -m benchmarks.paired --models tiny --rounds 60
     python -m benchmarks.paired --models tiny --ranks 1   # a core spare per side on 2 cores
+    python -m benchmarks.paired --models tiny --ranks 1 --warmup 20000   # past a forked rank's first seconds
     python -m benchmarks --only paired                # in the suite (--short: 40 rounds)
 
 Whole runs one after the other (benchmarks/loop.py) compare rates measured seconds apart, and on a
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segment", type=int, help="steps per segment (default: a fifth of a second's worth per model)")
     p.add_argument("--ranks", type=int, default=2, help="ranks per side (2 on a 2-core machine: every core busy; "
                    "1: a core to spare)")
+    p.add_argument("--warmup", type=int, help="steps before the first segment (default: 200 for tiny, 10 for "
+                   "4x1024; more to leave a forked rank's first seconds out: benchmarks/forked_ramp.py)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     labels = args.models.split(",")
@@ -349,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ranks must be at least 1")
     if args.segment is not None and args.segment < 2:
         p.error("--segment must be at least 2 steps")
-    models = [MODELS[m] if args.segment is None else (*MODELS[m][:5], args.segment) for m in labels]
+    if args.warmup is not None and args.warmup < 1:
+        p.error("--warmup must be at least 1 step")
+    models = [(*MODELS[m][:4], MODELS[m][4] if args.warmup is None else args.warmup,
+               MODELS[m][5] if args.segment is None else args.segment) for m in labels]
     results = anyio.run(paired, models, args.rounds, args.ranks)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
