@@ -21,10 +21,11 @@ for rank 0's segment rate, then the next side's. A round is one segment per side
 turns from round to round (`order`); a side's ratio in a round is its segment's rate over torchrun's
 in the same round, a second or so apart.
 
-Every side is started and at its first gate before the rounds begin; then the driver waits for
-every daemon's pool to be idle and the machine to be quiet (benchmarks/settle.py) once, for all
-sides alike, so no refill runs during the first rounds. A side that fails (its job or torchrun ends
-badly, or its rank 0 goes silent) is dropped from the later rounds and shown with its reason.
+Every side is started, one after the other (each runs its warm-up alone), and at its first gate
+before the rounds begin; then the driver waits for every daemon's pool to be idle and the machine to
+be quiet (benchmarks/settle.py) once, for all sides alike, so no refill runs during the first
+rounds. A side that fails (its job or torchrun ends badly, or its rank 0 goes silent) is dropped
+from the later rounds and shown with its reason.
 
 Reported per model (benchmarks/paired_table.py): the cores and ranks per side, each side's
 scheduling policy (as its rank 0 reads it), its segment rates, and the median of its per-round
@@ -200,14 +201,13 @@ async def start_sides(base: Path, model: Model, rounds: int, nproc: int,
         view = await daemons[key].client.wait(short)
         if view.state != "SUCCEEDED":
             raise BenchError(f"ddpd: the short job {short} ended {view.state}: {why(view.root_cause)}")
-    for name, side in sides.items():
+    for name, side in sides.items():  # one at a time: each warms up alone (2 x 7 threads would share 2 cores)
         kind, daemon = SIDES[name]
         if kind == "torchrun":
             side.proc = start_torchrun(model, steps, side, nproc, batch=daemon == "batch")
         else:
             side.daemon = daemons[daemon]
             side.job_id = await submit(side.daemon, model, steps + (kind == "task"), side, kind, nproc)
-    for side in sides.values():
         word, _, side.policy = (await side.said(READY_TIMEOUT)).partition(" ")
         if word != "ready":
             raise BenchError(f"{side.name}: rank 0 said {word!r}, not ready")
