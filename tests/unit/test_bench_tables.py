@@ -4,6 +4,7 @@ reason; a failed run counts against its side in the suite's table."""
 
 from __future__ import annotations
 
+from benchmarks import forked_ramp
 from benchmarks.context import short_why
 from benchmarks.paired_table import describe, median_interval, summarise
 from benchmarks.results import Metric
@@ -74,3 +75,16 @@ def test_a_failure_reads_as_one_line_naming_its_cause() -> None:
                               "[pair.cc:152] timed out connecting")
     assert short_why("job j1 ended FAILED") == "job j1 ended FAILED"
     assert len(short_why("x" * 1000)) == 300
+
+
+def test_forked_ramp_pairs_run_i_of_each_side_block_by_block_and_shows_a_failed_job() -> None:
+    found = {"forked": [{"rates": [900.0, 1000.0], "faults": [1000, 40]},
+                        {"rates": [800.0, 1000.0], "faults": [900, 30]}],
+             "cold": [{"rates": [1000.0, 1000.0], "faults": [300, 0]}]}
+    rows = forked_ramp.per_block(found, 2)
+    assert rows[0]["ratio"] == 0.9 and rows[0]["ratio_range"] == (0.9, 0.9)  # run 2 of forked has no cold pair
+    assert rows[0]["forked_faults"] == 950 and rows[1]["cold_faults"] == 0 and rows[1]["ratio"] == 1.0
+    text = forked_ramp.describe({"nproc": 1, "steps": 2000, "runs": 2, "unsettled": 1, "blocks": rows,
+                                 "failed": {"forked": [], "cold": ["job j2 ended FAILED: rank 0 exited 1"]}})
+    assert "2 runs a side (1 measured unsettled)" in text
+    assert "0.900 [0.900-0.900]" in text and "FAILED cold: job j2 ended FAILED: rank 0 exited 1" in text
