@@ -150,6 +150,55 @@ async def test_a_pool_member_whose_wrapper_never_runs_python_is_retired_with_its
         await pings(ann, d)
 
 
+def _stuck_wrapper(base: Path, tag: str) -> Path:
+    """An interpreter of Ann's that runs python for everything but a pool member: for that it
+    leaves a `setsid` process behind and sleeps, never saying Hello."""
+    wrapper = base / "stuck-python"
+    wrapper.write_text(f"#!/bin/sh\ncase \" $* \" in *\" --pool \"*)\n"
+                       f"  setsid sleep {tag} </dev/null >/dev/null 2>&1 &\n  exec sleep {tag};;\nesac\n"
+                       f"exec {USER_PYTHON} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.parametrize("fork_server", [True, False], ids=["fork-server", "interpreters"])
+async def test_a_pool_member_not_ready_within_its_start_timeout_is_killed_and_its_key_backs_off(
+    users: tuple[Identity, Identity], public_tmp: Path, fork_server: bool
+) -> None:
+    """Bug: a pool member that never said Hello lived while its key was used (its jobs started cold
+    meanwhile), holding a pool slot of its user's share, its memory and its escapee's. Now a member
+    not ready within `pool_start_timeout` s in which no job held cores is killed with its cgroup,
+    as a failure, and the key backs off; the key stays known, so a later member is tried."""
+    ann, _ = users
+    if not probe().usable:
+        pytest.skip("cgroup v2 is not writable here: pool members of other users need cgroups")
+    tag = f"5{os.getpid() % 1000:03d}.5"  # a `sleep` duration no other process uses
+    wrapper = _stuck_wrapper(public_tmp, tag)
+    quick = public_tmp / "quick.py"
+    quick.write_text("print('ok')\n")
+    config = f"pool_start_timeout = 2.0\npool_fork_server = {str(fork_server).lower()}\n"
+    async with shared_box(public_tmp, config, "--pool-size", "2") as d:
+        job_id = await submit_as(ann, d, script_spec(str(quick), python=str(wrapper)))
+        assert not job_id.startswith("refused"), job_id
+        with anyio.fail_after(TIMEOUT):
+            assert (await d.client.wait(job_id)).state == JobState.SUCCEEDED  # a cold rank runs python
+        member = await d.wait_log(lambda e: e.get("event") == "pool.worker_spawned" and e.get("uid") == ann.uid, 60)
+        failed = await d.wait_log(lambda e: e.get("event") == "pool.worker_failed" and e.get("pid") == member["pid"],
+                                  60)
+        assert failed["reason"] == "not ready within pool_start_timeout (2 s)", failed
+        assert failed["exit"] == "signal 9", failed
+        backoff = await d.wait_log(lambda e: e.get("event") == "pool.backoff"
+                                   and str(e.get("key")).startswith(f"uid {ann.uid} "), 10)
+        assert backoff["failures"] == 1, backoff
+        # its cgroup's end killed its escapee too; the key is still known: after the backoff, another try
+        await eventually(lambda: member["pid"] not in processes_with(f"sleep {tag}"), 30)
+        await d.wait_log(lambda e: e.get("event") == "pool.worker_spawned" and e.get("uid") == ann.uid
+                         and e.get("pid") != member["pid"], 60)
+        assert not [e for e in d.logs if e.get("event") == "pool.key_expired"]
+        await pings(ann, d)
+    await eventually(lambda: processes_with(f"sleep {tag}") == [], 30)  # the daemon's stop ended the rest
+
+
 async def test_a_check_a_killed_daemon_left_is_ended_at_the_next_start(
     users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:

@@ -146,6 +146,32 @@ async def test_rank_0_and_jobs_that_allow_none_restart_as_before(pooled: DaemonP
         assert why == (["rank 0 serves the attempt's store"] if rank == 0 else [None]), why
 
 
+async def test_a_replacement_lost_right_after_it_re_formed_is_replaced_in_turn(pooled: DaemonProc) -> None:
+    """A replacement killed the moment the group re-formed around it (`rank.replaced`), before its
+    first step there ends, is replaced in turn, and the job ends in its first attempt. Bug (CI, the
+    chaos test below): a replacement counted as training only from its first report after it rebuilt
+    DDP, and one lost before that was refused (tests/unit/test_replace.py pins the state)."""
+    d = pooled
+    slow = 0.2  # a fifth of a second per step: the replacement's first report comes that long after its re-form
+    spec = d.spec(task="tests.tasks:slow", nproc=2, steps=40, seed=3, options={"step_sleep": slow}, hot_replace=2)
+    await pool_holds(d, 4)
+    job_id = await d.client.submit(spec)
+    victim, _ = await kill_rank(d, job_id, 1, after_step=3)
+    replaced = await d.wait_event(job_id, lambda e: e.kind == "rank.replaced" and e.data["lost_pid"] == victim)
+    os.kill(replaced.data["pid"], signal.SIGKILL)  # at once: before its first step in the new group ends
+    again = await d.wait_event(job_id, lambda e: e.kind == "rank.replaced"
+                               and e.data["lost_pid"] == replaced.data["pid"])
+    assert again.data["generation"] == 2, again.data
+    with anyio.fail_after(120):
+        job = await d.client.wait(job_id)
+    assert job.state == JobState.SUCCEEDED and job.attempt == 1, job.root_cause
+    assert [r.replacements for r in job.ranks] == [0, 2]
+    exited = [e for e in await events_of(d, job_id) if e.kind == "rank.exited" and e.data.get("signal") == "SIGKILL"]
+    assert [e.data.get("hot_replace") for e in exited] == ["replacing", "replacing"], exited
+    for pid in (victim, replaced.data["pid"]):
+        assert_gone(pid)
+
+
 async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_uninterrupted_run(
         pooled: DaemonProc) -> None:
     d = pooled

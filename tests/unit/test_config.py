@@ -25,6 +25,8 @@ def _load(tmp_path: Path, text: str, **overrides: object) -> Config:
     ("cpu_slots = true", "cpu_slots"),
     ("max_running = -1", "max_running"),
     ("heartbeat_interval = 0", "heartbeat_interval"),
+    ("pool_start_timeout = 0", "pool_start_timeout"),
+    ("pool_start_timeout = inf", "pool_start_timeout"),
     ("port_range = [2000, 1000]", "port_range"),
     ("port_range = [0, 10]", "port_range"),
     ("port_range = [1, 2, 3]", "port_range"),

@@ -9,18 +9,24 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from ddpd.cli.render import ranks_table
-from ddpd.daemon.attempt.ranks import NOT_ALLOWED, RankHandle
+from ddpd.daemon.attempt.events import Reformed
+from ddpd.daemon.attempt.ranks import NOT_ALLOWED, RankHandle, RankLink, _apply
 from ddpd.daemon.attempt.replace import Replacements
 from ddpd.daemon.pool.channel import WorkerChannel
+from ddpd.daemon.store.bus import EventBus
+from ddpd.daemon.store.journal import Journal
 from ddpd.daemon.store.records import Job, Rank
+from ddpd.daemon.store.state import StateDB
 from ddpd.protocol import JobState, RankState
-from ddpd.protocol.channel import Failure, Result
+from ddpd.protocol.channel import Failure, PhaseChanged, Result
 from ddpd.protocol.spec import DEFAULT_HOT_REPLACE, JobSpec, SpecError, check_spec, hot_replacements
 from ddpd.worker import reform
 from ddpd.worker.loop import batch_source
@@ -106,6 +112,33 @@ def test_a_failure_that_a_replacement_already_redid_is_not_replaced_again(handle
     reps.under_way = None
     refusal = reps.refusal(h, concluded=False, signalled=False)
     assert refusal is not None and "repeat the same failure (MemoryError: out of memory)" in refusal
+
+
+@pytest.mark.anyio
+async def test_a_replacement_trains_once_it_re_formed_so_its_own_loss_is_replaced(
+        handles: list[RankHandle], tmp_path: Path) -> None:
+    """Bug (CI, the chaos test of tests/integration/test_hot_replace.py): a replacement counted as
+    training only at its first progress report or its `training` phase, both after it rebuilt DDP;
+    lost between the group's re-form (`rank.replaced`) and then, it was refused as lost before
+    training, and the attempt failed."""
+    job = job_of(task="two-layer", hot_replace=3)
+    db = StateDB(tmp_path / "ddpd.db")
+    journal = Journal(db, EventBus())
+    await journal.create_job(job)
+    send, receive = anyio.create_memory_object_stream[Any](10)
+    ctx = RankLink(job=job, journal=journal, number=1, clock=None, frame_rate=100.0,  # type: ignore[arg-type]
+                   events=send, signals=frozenset(), rdzv=None, assignment=lambda h: None)  # type: ignore[arg-type]
+    new = handles[1]
+    new.rank.state = RankState.JOINED  # a replacement: joined the new generation's group
+    reps = Replacements(job, store_host_rank=0)
+    assert "lost before training" in (reps.refusal(new, concluded=False, signalled=False) or "")
+    await _apply(new, ctx, PhaseChanged(phase="reformed", generation=1), now=1.0)
+    assert new.rank.state is RankState.TRAINING
+    assert reps.refusal(new, concluded=False, signalled=False) is None
+    assert isinstance(receive.receive_nowait(), Reformed)  # and the attempt is told, as before
+    send.close()
+    receive.close()
+    db.close()
 
 
 def test_every_rank_re_formed_ends_the_wait_and_only_the_replacement_makes_it_ready(

@@ -258,6 +258,9 @@ async def _apply(h: RankHandle, ctx: RankLink, msg: object, now: float) -> None:
                 await journal.rank_state(job, rank, RankState.TRAINING)
         case PhaseChanged(phase="reformed", generation=generation):  # hot replacement: it trains again in
             rank.last_step_change = now  # the group of `generation`
+            if rank.state is RankState.JOINED:  # a replacement holds the group's state: it trains. Bug: it
+                # counted as training only at its first report, and a loss before that was not replaced
+                await journal.rank_state(job, rank, RankState.TRAINING)
             # its first step in the new group is an event at once (the rank reports it at once too):
             # the 0.2 s spacing dropped a survivor's, whose next report came a progress interval later
             h.last_progress_event = 0.0

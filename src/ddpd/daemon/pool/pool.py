@@ -19,6 +19,11 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
 - **Readiness**: the worker's Hello (its CONNECTED) is read here, or its exit seen, whichever comes
   first (what a user's wrapper left may hold the channel open); then it is ready and the pool
   watches only its pidfd (it sends nothing before Assign: the channel is handed over unread).
+- **A start deadline**: a member not ready within ``pool_start_timeout`` seconds (a user's wrapper
+  or sitecustomize that stalls, never runs python, or waits on something that never comes) is
+  killed with its cgroup and counted as a failure (`pool.worker_failed`, ``reason``), its key backed
+  off. A refill yields to jobs by design (held, or at idle priority), so the count restarts while,
+  and from when, jobs hold cores.
 - **Death while idle**: the pidfd wakes the watcher; the worker is reaped, its cgroup killed and
   removed (a wrapper's `setsid` escapee with it), logged (``pool.worker_died``) and replaced. A key
   whose workers die before their Hello backs off exponentially (1 s doubling to 60 s), so a broken
@@ -62,7 +67,7 @@ import anyio.to_thread
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from ...protocol.channel import Hello
+from ...protocol.channel import Hello, WorkerMessage
 from ...protocol.worker import worker_args
 from ..config import Config
 from ..contain import procs
@@ -107,6 +112,9 @@ class WarmPool:
         self._names = itertools.count()
         self.busy_ranks = busy_ranks  # CPU-busy ranks of running jobs
         self.idle_priority = can_idle()  # refills at SCHED_IDLE beside jobs (else: onto idle cores only)
+        self.start_timeout = config.pool_start_timeout
+        self._busy_at = -float("inf")  # when jobs last held cores, as `_yield_to_jobs` saw it
+        self._was_busy = False
 
     @property
     def contained(self) -> bool:
@@ -226,6 +234,9 @@ class WarmPool:
         """Refills at idle priority while jobs hold cores, else normal; held (cgroups frozen) beyond
         the cores the running jobs' ranks leave free, the oldest refills keeping those."""
         busy = self.busy_ranks()
+        if busy > 0 or self._was_busy:  # (the wake at a job's end: busy until now)
+            self._busy_at = time.monotonic()
+        self._was_busy = busy > 0
         free = max(0, self._cores - busy)
         for i, w in enumerate(sorted(self._starting, key=lambda w: w.spawned_at)):
             if self.idle_priority:
@@ -324,7 +335,7 @@ class WarmPool:
         """Read the worker's Hello, then wait on its pidfd until it dies or is taken."""
         with w.scope:
             try:
-                hello = await w.channel.first_frame(w.pid)  # (the rest of the channel is the attempt's)
+                hello = await self._hello(w)  # (the rest of the channel is the attempt's)
                 self._starting.discard(w)
                 if w.held and w.cgroup is not None:  # frozen just after its Hello: ready ones never are
                     w.held = freeze_cgroup(w.cgroup, False)
@@ -332,8 +343,10 @@ class WarmPool:
                     self._kill(w)
                     exit_ = await procs.wait_exit(w.proc)
                     if not w.retired:  # (retired: its key was forgotten while it started)
+                        reason = (f"not ready within pool_start_timeout ({self.start_timeout:g} s)" if w.late
+                                  else "ended before its hello" if hello is None else "a wrong first frame")
                         log.error("pool.worker_failed", pid=w.pid, exit=str(exit_), log=str(self.log_path),
-                                  first_frame=type(hello).__name__, uid=w.key.uid)
+                                  first_frame=type(hello).__name__, uid=w.key.uid, reason=reason)
                         self._failed(w.key)
                     return
                 self._failures.pop(w.key, None)
@@ -367,6 +380,21 @@ class WarmPool:
                         await POOL.aend(w.cgroup)  # shielded: whatever it left in its cgroup dies with it
                 if not w.taken:
                     self._wake.set()
+
+    async def _hello(self, w: PoolWorker) -> WorkerMessage | None:
+        """The member's first frame (`first_frame`); None, with `w.late` set, when it has not come
+        within `start_timeout` s in which no job held cores (a refill yields to jobs by design)."""
+        since = time.monotonic()
+        while True:
+            with anyio.move_on_after(max(0.0, since + self.start_timeout - time.monotonic())):
+                return await w.channel.first_frame(w.pid)
+            if self.busy_ranks() > 0:
+                since = time.monotonic()
+            elif self._busy_at > since:
+                since = self._busy_at
+            else:
+                w.late = True
+                return None
 
     def _retire(self, w: PoolWorker, **facts: bool) -> None:
         w.retired = True
