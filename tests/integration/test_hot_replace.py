@@ -146,6 +146,19 @@ async def test_rank_0_and_jobs_that_allow_none_restart_as_before(pooled: DaemonP
         assert why == (["rank 0 serves the attempt's store"] if rank == 0 else [None]), why
 
 
+async def replaced_or_why(d: DaemonProc, job_id: str, victim: int) -> EventView:
+    """The `rank.replaced` of `victim`; else fail with why the job ended without it (what
+    `rank.exited` said of the replacement, and the root cause)."""
+    try:
+        return await d.wait_event(job_id, lambda e: e.kind == "rank.replaced" and e.data["lost_pid"] == victim)
+    except AssertionError:
+        job = await d.client.status(job_id)
+        said = [(e.rank, e.data.get("hot_replace"), e.data.get("signal")) for e in await events_of(d, job_id)
+                if e.kind in ("rank.exited", "rank.replace_failed")]
+        raise AssertionError(f"{victim} was not replaced: job {job.state} attempt {job.attempt}, "
+                             f"{job.root_cause}; rank.exited/replace_failed: {said}") from None
+
+
 async def test_a_replacement_lost_right_after_it_re_formed_is_replaced_in_turn(pooled: DaemonProc) -> None:
     """A replacement killed the moment the group re-formed around it (`rank.replaced`), before its
     first step there ends, is replaced in turn, and the job ends in its first attempt. Bug (CI, the
@@ -157,10 +170,9 @@ async def test_a_replacement_lost_right_after_it_re_formed_is_replaced_in_turn(p
     await pool_holds(d, 4)
     job_id = await d.client.submit(spec)
     victim, _ = await kill_rank(d, job_id, 1, after_step=3)
-    replaced = await d.wait_event(job_id, lambda e: e.kind == "rank.replaced" and e.data["lost_pid"] == victim)
+    replaced = await replaced_or_why(d, job_id, victim)
     os.kill(replaced.data["pid"], signal.SIGKILL)  # at once: before its first step in the new group ends
-    again = await d.wait_event(job_id, lambda e: e.kind == "rank.replaced"
-                               and e.data["lost_pid"] == replaced.data["pid"])
+    again = await replaced_or_why(d, job_id, replaced.data["pid"])
     assert again.data["generation"] == 2, again.data
     with anyio.fail_after(120):
         job = await d.client.wait(job_id)
@@ -187,7 +199,7 @@ async def test_chaos_a_random_rank_killed_again_and_again_still_ends_as_an_unint
         rank = pick.choice([1, 2])  # rank 0 serves the store: its loss restarts (tested above)
         victim, _ = await kill_rank(d, job_id, rank, after_step=80 * (round_ + 1))
         killed.append(victim)
-        await d.wait_event(job_id, lambda e, pid=victim: e.kind == "rank.replaced" and e.data["lost_pid"] == pid)
+        await replaced_or_why(d, job_id, victim)
     with anyio.fail_after(120):
         job = await d.client.wait(job_id)
     assert job.state == JobState.SUCCEEDED and job.attempt == 1, job.root_cause
