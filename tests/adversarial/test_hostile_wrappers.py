@@ -186,7 +186,7 @@ async def test_a_pool_member_not_ready_within_its_start_timeout_is_killed_and_it
         failed = await d.wait_log(lambda e: e.get("event") == "pool.worker_failed" and e.get("pid") == member["pid"],
                                   60)
         assert failed["reason"] == "not ready within pool_start_timeout (2 s)", failed
-        assert failed["exit"] == "signal 9", failed
+        assert failed["exit"] == "signal SIGKILL", failed
         backoff = await d.wait_log(lambda e: e.get("event") == "pool.backoff"
                                    and str(e.get("key")).startswith(f"uid {ann.uid} "), 10)
         assert backoff["failures"] == 1, backoff
