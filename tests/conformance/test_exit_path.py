@@ -90,3 +90,16 @@ async def test_ranks_get_the_submitters_umask(daemons: Daemons, tmp_path: Path, 
     file_mode, dir_mode = f"{0o666 & ~umask:04o}", f"{0o777 & ~umask:04o}"
     assert ref.results == [f"RESULT rank={rank} file={file_mode} dir={dir_mode}" for rank in range(2)]
     assert_conform(outcomes, modes=True)
+
+
+async def test_ranks_see_the_start_and_process_a_torchrun_rank_sees(daemons: Daemons, tmp_path: Path) -> None:
+    """`sys.orig_argv` was the worker's own command line (``-m ddpd.worker --fd N ... --fork-server``):
+    a script that re-executes itself from it ran the worker again. Now it is torchrun's rank's,
+    ``python -u SCRIPT ARGS``; and a pooled (forked) rank's main thread and `tempfile` are a fresh one's."""
+    outcomes = await launch_all(daemons, tmp_path, "process_probe.py", ["a", "--b", "c"])
+    ref = outcomes["torchrun"]
+    assert ref.status == 0, ref.output
+    expected = "orig_argv=EXE,-u,process_probe.py,a,--b,c argv=process_probe.py,a,--b,c native_id_own=True"
+    assert ref.results == [f"RESULT rank={rank} {expected} tempdir_chosen=False" for rank in range(2)]
+    assert_conform(outcomes)
+

@@ -161,7 +161,10 @@ def run_script(runtime: Runtime, assign: Assign) -> Result:
 
 
 def execute(target: str, args: list[str], module: bool) -> dict[str, Any]:
-    """Run the script as ``__main__``; its globals (which the caller keeps: freeing them is what hangs)."""
+    """Run the script as ``__main__``; its globals (which the caller keeps: freeing them is what hangs).
+    `sys.orig_argv` is what torchrun's rank was started with (``python -u [-m] TARGET ARGS``), not
+    this worker's command line, which a script that re-executes itself would run again."""
+    sys.orig_argv = [sys.executable, "-u", *(["-m"] if module else []), target, *args]
     if module:
         sys.argv = [target, *args]
         sys.path.insert(0, os.getcwd())
