@@ -343,8 +343,12 @@ class WarmPool:
                     self._kill(w)
                     exit_ = await procs.wait_exit(w.proc)
                     if not w.retired:  # (retired: its key was forgotten while it started)
-                        reason = (f"not ready within pool_start_timeout ({self.start_timeout:g} s)" if w.late
-                                  else "ended before its hello" if hello is None else "a wrong first frame")
+                        if w.late:
+                            reason = f"not ready within pool_start_timeout ({self.start_timeout:g} s)"
+                        elif hello is None:
+                            reason = "no hello: it ended, or its channel closed or broke"
+                        else:
+                            reason = "a wrong first frame"
                         log.error("pool.worker_failed", pid=w.pid, exit=str(exit_), log=str(self.log_path),
                                   first_frame=type(hello).__name__, uid=w.key.uid, reason=reason)
                         self._failed(w.key)
