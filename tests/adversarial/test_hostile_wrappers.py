@@ -63,6 +63,17 @@ def _slow_wrapper(base: Path, tag: str) -> Path:
     return path
 
 
+def _stuck_wrapper(base: Path, tag: str) -> Path:
+    """An interpreter of Ann's that runs python for everything but a pool member: for that it
+    leaves a `setsid` process behind and sleeps, never saying Hello."""
+    wrapper = base / "stuck-python"
+    wrapper.write_text(f"#!/bin/sh\ncase \" $* \" in *\" --pool \"*)\n"
+                       f"  setsid sleep {tag} </dev/null >/dev/null 2>&1 &\n  exec sleep {tag};;\nesac\n"
+                       f"exec {USER_PYTHON} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 async def test_interpreter_checks_are_contained_and_one_users_do_not_hold_anothers(
     users: tuple[Identity, Identity], public_tmp: Path
 ) -> None:
@@ -127,11 +138,7 @@ async def test_a_pool_member_whose_wrapper_never_runs_python_is_retired_with_its
     if not probe().usable:
         pytest.skip("cgroup v2 is not writable here: pool members of other users need cgroups")
     tag = f"4{os.getpid() % 1000:03d}.5"  # a `sleep` duration no other process uses
-    wrapper = public_tmp / "stuck-python"
-    wrapper.write_text(f"#!/bin/sh\ncase \" $* \" in *\" --pool \"*)\n"
-                       f"  setsid sleep {tag} </dev/null >/dev/null 2>&1 &\n  exec sleep {tag};;\nesac\n"
-                       f"exec {USER_PYTHON} \"$@\"\n")
-    wrapper.chmod(0o755)
+    wrapper = _stuck_wrapper(public_tmp, tag)
     quick = public_tmp / "quick.py"
     quick.write_text("print('ok')\n")
     config = f"pool_idle_expiry = 15.0\npool_fork_server = {str(fork_server).lower()}\n"
@@ -148,17 +155,6 @@ async def test_a_pool_member_whose_wrapper_never_runs_python_is_retired_with_its
         await eventually(lambda: processes_with(f"sleep {tag}") == [], 30)  # its cgroup's end killed both
         assert not [e for e in d.logs if e.get("event") == "pool.worker_failed" and e.get("pid") == member["pid"]]
         await pings(ann, d)
-
-
-def _stuck_wrapper(base: Path, tag: str) -> Path:
-    """An interpreter of Ann's that runs python for everything but a pool member: for that it
-    leaves a `setsid` process behind and sleeps, never saying Hello."""
-    wrapper = base / "stuck-python"
-    wrapper.write_text(f"#!/bin/sh\ncase \" $* \" in *\" --pool \"*)\n"
-                       f"  setsid sleep {tag} </dev/null >/dev/null 2>&1 &\n  exec sleep {tag};;\nesac\n"
-                       f"exec {USER_PYTHON} \"$@\"\n")
-    wrapper.chmod(0o755)
-    return wrapper
 
 
 @pytest.mark.parametrize("fork_server", [True, False], ids=["fork-server", "interpreters"])

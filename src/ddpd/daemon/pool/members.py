@@ -38,7 +38,6 @@ class PoolWorker:
     taken: bool = False
     retired: bool = False  # ended by the plan (not a death to report)
     held: bool = False  # its cgroup frozen: a refill waiting for a core no job's rank holds
-    late: bool = False  # killed for not being ready within pool_start_timeout
     server: ForkServer | None = None  # a fork server's (`pool_fork_server`): it forks the key's workers
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 

@@ -335,7 +335,7 @@ class WarmPool:
         """Read the worker's Hello, then wait on its pidfd until it dies or is taken."""
         with w.scope:
             try:
-                hello = await self._hello(w)  # (the rest of the channel is the attempt's)
+                hello, late = await self._hello(w)  # (the rest of the channel is the attempt's)
                 self._starting.discard(w)
                 if w.held and w.cgroup is not None:  # frozen just after its Hello: ready ones never are
                     w.held = freeze_cgroup(w.cgroup, False)
@@ -343,7 +343,7 @@ class WarmPool:
                     self._kill(w)
                     exit_ = await procs.wait_exit(w.proc)
                     if not w.retired:  # (retired: its key was forgotten while it started)
-                        if w.late:
+                        if late:
                             reason = f"not ready within pool_start_timeout ({self.start_timeout:g} s)"
                         elif hello is None:
                             reason = "no hello: it ended, or its channel closed or broke"
@@ -385,20 +385,19 @@ class WarmPool:
                 if not w.taken:
                     self._wake.set()
 
-    async def _hello(self, w: PoolWorker) -> WorkerMessage | None:
-        """The member's first frame (`first_frame`); None, with `w.late` set, when it has not come
-        within `start_timeout` s in which no job held cores (a refill yields to jobs by design)."""
+    async def _hello(self, w: PoolWorker) -> tuple[WorkerMessage | None, bool]:
+        """The member's first frame (`first_frame`), and whether it was late: (None, True) when it has
+        not come within `start_timeout` s in which no job held cores (a refill yields to jobs by design)."""
         since = time.monotonic()
         while True:
             with anyio.move_on_after(max(0.0, since + self.start_timeout - time.monotonic())):
-                return await w.channel.first_frame(w.pid)
+                return await w.channel.first_frame(w.pid), False
             if self.busy_ranks() > 0:
                 since = time.monotonic()
             elif self._busy_at > since:
                 since = self._busy_at
             else:
-                w.late = True
-                return None
+                return None, True
 
     def _retire(self, w: PoolWorker, **facts: bool) -> None:
         w.retired = True
