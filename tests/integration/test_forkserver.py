@@ -189,6 +189,54 @@ threading.Thread(target=threading.Event().wait, name="started-by-sitecustomize",
 """
 
 
+def cmdline_of(pid: int) -> str:
+    try:
+        return " ".join(cmdline(pid))
+    except OSError:
+        return ""
+
+
+async def test_back_to_back_jobs_of_a_new_key_go_through_its_server_while_it_starts(short_tmp: Path) -> None:
+    """Bug: jobs submitted back to back from a daemon's start all started cold (12 two-rank jobs, each
+    1.7 s: 12 `pool.refill_held`, no `pool.worker_ready`). The key's server, starting, was held (its
+    cgroup frozen) while each job held the cores and thawed only in the moment between two jobs, so
+    it never became ready. Now a server's start is never held, and a job's ranks wait for their key's
+    server still starting (`pool.server_waiting`) rather than start cold beside it.
+
+    The key is new (an interpreter of its own: a wrapper) and its server waits for a gate file before
+    it runs python; the gate opens once the first job's rank waits for it, while that job holds every
+    core (`--cpu-slots 2`, two ranks). Every rank of that job and of the two submitted right after it
+    is forked by that server."""
+    base = short_tmp / "b2b"
+    base.mkdir()
+    gate = base / "gate"
+    wrapper = base / "gated-python"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" --pool "*)\n  while [ ! -e {gate} ]; do sleep 0.05; done;;\n'
+                       f'esac\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    config = base / "ddpd.toml"
+    config.write_text("pool_fork_server = true\npool_server_wait = 240\n")  # (the server imports torch: CI is slow)
+    async with running_daemon(base, "--config", str(config), "--pool-size", "2", "--cpu-slots", "2") as d:
+        spec = d.spec(task="two-layer", nproc=NPROC, steps=5, python=str(wrapper))
+        first = await d.client.submit(spec)
+        spawned = await d.wait_log(lambda e: e.get("event") == "pool.worker_spawned"
+                                   and str(wrapper) in cmdline_of(int(e["pid"])), SERVER_TIMEOUT)
+        server = int(spawned["pid"])
+        await d.wait_log(lambda e: e.get("event") == "pool.server_waiting" and e.get("server") == server,
+                         SERVER_TIMEOUT)
+        gate.touch()
+        with anyio.fail_after(SERVER_TIMEOUT):
+            views = [await d.client.wait(first)]
+        views += [await d.run(spec, timeout=SERVER_TIMEOUT) for _ in range(2)]
+        assert [v.state for v in views] == [JobState.SUCCEEDED] * 3, [v.root_cause for v in views]
+        forked = {int(e["pid"]): int(e["server"]) for e in d.logs if e.get("event") == "pool.forked"}
+        assert [[forked.get(r.pid or 0) for r in v.ranks] for v in views] == [[server] * NPROC] * 3
+        awaited = [e for e in d.logs if e.get("event") == "pool.server_awaited" and e.get("server") == server]
+        assert awaited and all(e["ready"] for e in awaited), awaited
+        assert not [e for e in d.logs if e.get("event") == "pool.refill_held" and e.get("pid") == server]
+    assert_gone(server)
+
+
 def start_server(fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """A fork server whose parent is this process (the daemon's part, played by the test)."""
     return subprocess.Popen([sys.executable, "-m", "ddpd.worker", *worker_args(fd, os.getpid(), fork_server=True)],

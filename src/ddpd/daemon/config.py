@@ -87,6 +87,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pool_idle_expiry: Annotated[float, msgspec.Meta(gt=0, le=30 * DAY), RESTART] = 600.0
     # seconds a pool member may take to be ready (torch imported), not counting while jobs hold cores
     pool_start_timeout: Annotated[float, msgspec.Meta(gt=0, le=DAY), RESTART] = 300.0
+    # seconds from its spawn a fork server still starting may hold a job's ranks (0: they start cold beside it)
+    pool_server_wait: Annotated[float, msgspec.Meta(ge=0, le=DAY), RESTART] = 10.0
     # argv prefix of a worker; () is `sys.executable -m ddpd.worker`
     worker_command: Annotated[tuple[Text, ...], msgspec.Meta(max_length=64)] = ()
     max_running: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64

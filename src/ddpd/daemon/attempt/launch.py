@@ -186,7 +186,7 @@ class Launcher:
         taken = None
         if self.pool is not None and self.pool.serves(self.shape) and (self.cgroup is not None
                                                                          or not self.pool.contained):
-            taken = await self.pool.take(self.shape.key)
+            taken = await self.pool.take(self.shape.key, wait=self.join_timeout / 4)  # (a starting server)
         if taken is None:
             return self._spawn(rank, log_path, log_fds)
         handle = self._handle(rank, taken.proc, taken.channel, log_path, pooled=True)

@@ -19,11 +19,13 @@ from .poolkeys import Demand, PoolKey
 
 
 class ForkServer:
-    """What the daemon keeps of a fork server: one request at a time, and what it served."""
+    """What the daemon keeps of a fork server: one request at a time, what it served, and the end of
+    its start (`settled`: ready, failed or retired) that a job's first rank may wait for."""
 
     def __init__(self) -> None:
         self.lock = anyio.Lock()
         self.forks = 0  # workers forked and adopted
+        self.settled = anyio.Event()
 
 
 @dataclass(eq=False)

@@ -113,8 +113,13 @@ class WarmPool:
         self.busy_ranks = busy_ranks  # CPU-busy ranks of running jobs
         self.idle_priority = can_idle()  # refills at SCHED_IDLE beside jobs (else: onto idle cores only)
         self.start_timeout = config.pool_start_timeout
+        self.server_wait = config.pool_server_wait  # from its spawn, a starting server may hold a job's ranks
         self._busy_at = -float("inf")  # when jobs last held cores, as `_yield_to_jobs` saw it
         self._was_busy = False
+        self._planning = 0  # the number of the plan (`_fill`) started last
+        self._planned = 0  # ... and of the one done last
+        self._plan_done = anyio.Event()
+        self._asked: dict[PoolKey, int] = {}  # the plan each key's latest job waits for (fork servers)
 
     @property
     def contained(self) -> bool:
@@ -161,17 +166,26 @@ class WarmPool:
         now, known = time.monotonic(), shape.key in self._demand  # a known key's want may drop: claim
         self._claims.claim(shape.key, ranks if known and not self.fork else 0, now)  # (its takes come after)
         self._demand[shape.key] = Demand(shape, ranks, now)
+        if self.fork:  # a plan that starts after now (the one under way may have missed the key)
+            self._asked[shape.key] = self._planning + 1
         if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
-            del self._demand[min(self._demand, key=lambda k: self._demand[k].last_used)]
+            oldest = min(self._demand, key=lambda k: self._demand[k].last_used)
+            del self._demand[oldest]
+            self._asked.pop(oldest, None)
         self._wake.set()
 
-    async def take(self, key: PoolKey) -> PoolWorker | None:
+    async def take(self, key: PoolKey, wait: float = 0.0) -> PoolWorker | None:
         """A ready worker of `key`, now the caller's (it leads its own process group and cgroup; a
         forked one, the process group only: the server's cgroup until the caller moves it); None:
-        start cold."""
+        start cold. A fork server still starting (or about to: the key's first job) is waited for
+        up to `wait` s (`_server`)."""
         if self.fork:
             self._wake.set()  # the key's spares are forked again in the background
-            return self.spares.take(key) or await self._fork(key)
+            spare = self.spares.take(key)
+            if spare is not None:
+                return spare
+            server = await self._server(key, wait)
+            return None if server is None else await fork_from(server)
         self._claims.took(key)
         ready = self._ready.get(key)
         while ready:
@@ -193,10 +207,38 @@ class WarmPool:
             return w
         return None
 
-    async def _fork(self, key: PoolKey) -> PoolWorker | None:
-        """A worker forked by the key's server, if it has a ready one (which stays the pool's)."""
-        server = next((w for w in self._ready.get(key, ()) if w.proc.poll() is None), None)
-        return None if server is None else await fork_from(server)
+    async def _server(self, key: PoolKey, wait: float) -> PoolWorker | None:
+        """The key's ready fork server (it stays the pool's); None when there is none within `wait` s.
+
+        A rank goes through a server that is starting rather than start cold beside it: the server's
+        start is the import a cold rank would do, once for every rank (docs/pool.md, "A key's first
+        job"). So a key whose demand is new waits for the pool's next plan (it spawns the server
+        then, or not: the share, a backoff), and a server starting is waited for until it is ready
+        or fails, at most `wait` s from now and ``pool_server_wait`` s from its spawn; then None: cold."""
+        until = time.monotonic() + (wait if self.server_wait > 0 else 0.0)
+        if self._planned < self._asked.get(key, 0):  # the key's first job: its server is not planned yet
+            with anyio.move_on_after(until - time.monotonic()):
+                while self._planned < self._asked.get(key, 0):
+                    await self._plan_done.wait()
+        if (ready := self._ready_server(key)) is not None:
+            return ready
+        starting = next((w for w in self._starting if w.key == key and w.server is not None and not w.retired), None)
+        if starting is None or starting.server is None:
+            return None
+        since = time.monotonic()
+        limit = min(until, starting.spawned_at + self.server_wait) - since
+        if limit <= 0:
+            return None
+        log.info("pool.server_waiting", server=starting.pid, uid=key.uid, at_most=round(limit, 3))
+        with anyio.move_on_after(limit):
+            await starting.server.settled.wait()
+        server = self._ready_server(key)
+        log.info("pool.server_awaited", server=starting.pid, uid=key.uid, ready=server is not None,
+                 seconds=round(time.monotonic() - since, 3))
+        return server
+
+    def _ready_server(self, key: PoolKey) -> PoolWorker | None:
+        return next((w for w in self._ready.get(key, ()) if w.proc.poll() is None), None)
 
     # -- the service -----------------------------------------------------------------------
 
@@ -213,7 +255,11 @@ class WarmPool:
                 log.info("pool.started", size=self.size, per_key=self.per_key, idle_expiry=self.idle_expiry,
                          log=str(self.log_path), fork_server=self.fork)
                 while True:
+                    self._planning += 1
                     await self._fill(tg)
+                    self._planned = self._planning
+                    self._plan_done.set()
+                    self._plan_done = anyio.Event()
                     if self.fork and not self._closing:
                         await self.spares.sync(tg, self._ready, {k: d.ranks for k, d in self._demand.items()})
                     self._yield_to_jobs()
@@ -243,7 +289,7 @@ class WarmPool:
                 set_priority(w.pid, idle=busy > 0)
                 if w.cgroup is not None:
                     idle_cgroup(w.cgroup, busy > 0)
-            hold = busy > 0 and i >= free
+            hold = busy > 0 and i >= free and w.server is None  # a server's start: once per key, never held
             if w.cgroup is not None and w.held != hold:
                 w.held = freeze_cgroup(w.cgroup, hold)
                 log.info("pool.refill_held" if w.held else "pool.refill_released", pid=w.pid, busy=busy,
@@ -260,6 +306,7 @@ class WarmPool:
             del self._demand[key]
             self._failures.pop(key, None)
             self._claims.forget(key)
+            self._asked.pop(key, None)
             log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
         # and those still starting of keys no longer wanted, at once: one that never said Hello (a user's wrapper
         # that never execs python) was kept till the daemon stopped, with its core and its cgroup's escapees
@@ -275,7 +322,7 @@ class WarmPool:
             if key in self._retry_at:
                 continue
             for _ in range(n):
-                if self._closing or not self._idle_core() or key not in self._demand:
+                if self._closing or not (self.fork or self._idle_core()) or key not in self._demand:
                     return
                 new = await self._spawn(self._demand[key].shape)
                 if new is None:
@@ -364,6 +411,8 @@ class WarmPool:
                     await procs.wait_exit(w.proc)
                     return
                 self._ready.setdefault(w.key, deque()).append(w)
+                if w.server is not None:
+                    w.server.settled.set()  # a job's rank waiting for it forks through it now
                 self._wake.set()  # its core is free again: the next one may start
                 log.info("pool.worker_ready", pid=w.pid, seconds=round(time.monotonic() - w.spawned_at, 3),
                          ready=len(self._ready[w.key]), uid=w.key.uid, size=self.size, server=w.server is not None)
@@ -372,6 +421,8 @@ class WarmPool:
                     log.warning("pool.worker_died", pid=w.pid, exit=str(exit_), idle=True)
             finally:
                 self._starting.discard(w)
+                if w.server is not None:
+                    w.server.settled.set()  # (failed or retired: a rank waiting for it starts cold)
                 ready = self._ready.get(w.key)
                 if ready is not None and w in ready:
                     ready.remove(w)
