@@ -319,12 +319,13 @@ def identity_reports(view: Any) -> list[dict[str, Any]]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="running jobs as other users needs root")
 async def test_a_users_ranks_are_forked_by_her_own_server_as_her(users: tuple[Identity, Identity],
                                                                   public_tmp: Path) -> None:
-    """Her first job starts cold (a key new to the pool) and her key's server starts as her; her next
-    job's ranks are forked by it and are the cold ranks they stand in for (ids, groups, umask,
-    environment, interpreter, directory, cgroup)."""
+    """Her first job starts cold (a key new to the pool; ``pool_server_wait = 0``: beside its server,
+    not through it) and her key's server starts as her; her next job's ranks are forked by it and
+    are the cold ranks they stand in for (ids, groups, umask, environment, interpreter, directory,
+    cgroup)."""
     ann, _ = users
     config = public_tmp / "ddpd.toml"
-    config.write_text('socket_mode = "0666"\npool_fork_server = true\n')
+    config.write_text('socket_mode = "0666"\npool_fork_server = true\npool_server_wait = 0\n')
     async with running_daemon(public_tmp, "--config", str(config), "--gpus", "0", "--pool-size", "2",
                               "--cpu-slots", "4") as d:
         spec = JobSpec(script=[SHOW], python=USER_PYTHON, nproc=NPROC, workdir="/tmp",

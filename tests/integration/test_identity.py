@@ -197,7 +197,9 @@ async def test_the_pool_keeps_a_users_shape_warm_and_serves_no_one_else(
     that interpreter), which is then the cold start it stands in for: the same uid, groups, umask,
     environment, interpreter, working directory and cgroup."""
     ann, bob = users
-    async with shared_daemon(public_tmp, "--pool-size", "2", config_text="pool_per_key = 1\n") as d:
+    # pool_server_wait 0: a key's first job starts cold beside its server (the cold start to compare with)
+    config = "pool_per_key = 1\npool_server_wait = 0\n"
+    async with shared_daemon(public_tmp, "--pool-size", "2", config_text=config) as d:
         runs: list[tuple[str, dict[str, Any], list[Any]]] = []
         for who in (ann, bob, ann):
             job_id = await ddpctl_submit_as(who, d, "--python", USER_PYTHON, "--", SHOW, MY_SETTING="hello")
