@@ -13,11 +13,11 @@ alternating the two in every repetition, each after the same settle (benchmarks/
   (``rank.replaced``, then ``rank.progress``), and the steps lost. The refills of the interpreter
   pool are behind the first job then: the case of a busy box.
 - **a new key** (fork server daemon only): a 2-rank classic job with a start-up variable no job had
-  in its submitted environment (``TORCH_DDPD_BENCH_KEY``: a new pool key) runs cold while its key's
-  server starts beside it: submit → RUNNING; the server's own start (spawned → ready, its
-  ``pool.worker_ready`` line); and the key's next job through the server, submit → RUNNING. Had
-  the first job waited for the server, it would have been RUNNING no sooner than the server's start
-  plus a warm start: the two sums are printed side by side.
+  in its submitted environment (``TORCH_DDPD_BENCH_KEY``: a new pool key), whose ranks wait for
+  their key's server, started at the job's start, and are forked by it (``pool_server_wait``):
+  submit → RUNNING; the server's own start (spawned → ready, its ``pool.worker_ready`` line); and
+  the key's next job, submit → RUNNING. (``benchmarks.first_jobs`` compares a key's first jobs
+  through its server with the same jobs cold beside it, cold without a pool, and under torchrun.)
 - **memory**: after the 8-rank repetitions, the proportional memory (Pss, smaps_rollup) of one
   pool interpreter (the fork server), and of the key's whole pool: the ready interpreters, or the
   server and the spares it forked ahead (as many as the last job's ranks: 8).
@@ -115,8 +115,8 @@ async def server_started(d: Daemon, before: int) -> float:
 
 
 async def new_key_after(d: Daemon) -> tuple[float, float, float]:
-    """A new key's first job (cold, its server starting beside it), its server's start, and the
-    key's next job through the server: three submit → RUNNING or start times, in seconds."""
+    """A new key's first job (through its server, which starts with it), its server's start, and the
+    key's next job: three submit → RUNNING or start times, in seconds."""
     servers = len([e for e in _log_events(d, "pool.worker_ready") if e.get("server")])
     # a key is the user, the interpreter and the submitted environment's start-up variables (as
     # ddpctl sends them; a spec without them takes the daemon's own, one key)
@@ -210,8 +210,8 @@ async def bench_forkserver(ctx: Ctx) -> None:
                 cold.add(name, value[0])
                 server.add(name, value[1])
                 warm.add(name, value[2])
-                return (f"first job cold {value[0]:.3f}s; server ready {value[1]:.3f}s + next job "
-                        f"{value[2]:.3f}s = {value[1] + value[2]:.3f}s through it")
+                return (f"first job {value[0]:.3f}s (its server ready {value[1]:.3f}s after its spawn); "
+                        f"next job {value[2]:.3f}s")
 
             await ctx.alternate(reps, [(FORK, partial(new_key_after, daemons[FORK]))], record_key,
                                 [cold, server, warm], daemons=list(daemons.values()))

@@ -194,7 +194,8 @@ async def test_back_to_back_jobs_of_a_new_key_go_through_its_server_while_it_sta
     1.7 s: 12 `pool.refill_held`, no `pool.worker_ready`). The key's server, starting, was held (its
     cgroup frozen) while each job held the cores and thawed only in the moment between two jobs, so
     it never became ready. Now a server's start is never held, and a job's ranks wait for their key's
-    server still starting (`pool.server_waiting`) rather than start cold beside it.
+    server still starting (`pool.server_waiting`), at normal priority from then on, rather than
+    start cold beside it.
 
     The key is new (an interpreter of its own: a wrapper) and its server waits for a gate file before
     it runs python; the gate opens once the first job's rank waits for it, while that job holds every
@@ -216,6 +217,7 @@ async def test_back_to_back_jobs_of_a_new_key_go_through_its_server_while_it_sta
         waiting = await d.wait_log(lambda e: e.get("event") == "pool.server_waiting", SERVER_TIMEOUT)
         server = int(waiting["server"])
         assert waiting["job_id"] == first, waiting
+        assert os.sched_getscheduler(server) == os.SCHED_OTHER  # not at idle priority: the job waits for it
         gate.touch()
         with anyio.fail_after(SERVER_TIMEOUT):
             views = [await d.client.wait(first)]

@@ -26,6 +26,7 @@ class ForkServer:
         self.lock = anyio.Lock()
         self.forks = 0  # workers forked and adopted
         self.settled = anyio.Event()
+        self.awaited = False  # a job's rank waits for its start: normal priority, as that job's ranks'
 
 
 @dataclass(eq=False)

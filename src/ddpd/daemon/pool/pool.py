@@ -229,6 +229,11 @@ class WarmPool:
         limit = min(until, starting.spawned_at + self.server_wait) - since
         if limit <= 0:
             return None
+        starting.server.awaited = True  # it starts on the waiting job's cores now: never at idle priority
+        if self.idle_priority:
+            set_priority(starting.pid, idle=False)
+            if starting.cgroup is not None:
+                idle_cgroup(starting.cgroup, False)
         log.info("pool.server_waiting", server=starting.pid, uid=key.uid, at_most=round(limit, 3))
         with anyio.move_on_after(limit):
             await starting.server.settled.wait()
@@ -278,7 +283,9 @@ class WarmPool:
 
     def _yield_to_jobs(self) -> None:
         """Refills at idle priority while jobs hold cores, else normal; held (cgroups frozen) beyond
-        the cores the running jobs' ranks leave free, the oldest refills keeping those."""
+        the cores the running jobs' ranks leave free, the oldest refills keeping those. A fork
+        server's start is never held (it is once per key, and a job's ranks may be waiting for it:
+        then at normal priority too)."""
         busy = self.busy_ranks()
         if busy > 0 or self._was_busy:  # (the wake at a job's end: busy until now)
             self._busy_at = time.monotonic()
@@ -286,9 +293,10 @@ class WarmPool:
         free = max(0, self._cores - busy)
         for i, w in enumerate(sorted(self._starting, key=lambda w: w.spawned_at)):
             if self.idle_priority:
-                set_priority(w.pid, idle=busy > 0)
+                idle = busy > 0 and not (w.server is not None and w.server.awaited)
+                set_priority(w.pid, idle=idle)
                 if w.cgroup is not None:
-                    idle_cgroup(w.cgroup, busy > 0)
+                    idle_cgroup(w.cgroup, idle)
             hold = busy > 0 and i >= free and w.server is None  # a server's start: once per key, never held
             if w.cgroup is not None and w.held != hold:
                 w.held = freeze_cgroup(w.cgroup, hold)
