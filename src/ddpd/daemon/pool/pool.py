@@ -49,7 +49,9 @@ after ``pool_idle_expiry``). It is one service in the daemon's root task group:
   the attempt assigns it. `state` says which (``ddpctl daemon``).
 - **Fork servers** (``pool_fork_server``, `forkserver`): one interpreter per key (``pool_size``
   counts them, the plan's bounds apply) forks workers; `take` hands out a spare it forked ahead
-  (`Spares`: as many as the key's last job had ranks) or has it fork one (milliseconds).
+  (`Spares`: as many as the key's last job had ranks) or has it fork one (milliseconds). A job of a
+  key whose server is starting (its first job, most often) waits for it (`_server`, bounded by
+  ``pool_server_wait``) rather than start cold beside it; a server's start is never held.
 - **Shutdown**: every pool worker left is SIGKILLed (group, cgroup), reaped, its channel closed.
 """
 
