@@ -183,3 +183,14 @@ async def test_pool_server_wait_0_never_waits(tmp_path: Path, server: PoolWorker
     starting(p, server)
     with anyio.fail_after(1):
         assert await p._server(KEY, wait=30) is None
+
+
+async def test_the_wait_for_a_plan_is_bounded_by_pool_server_wait(tmp_path: Path) -> None:
+    """A pool whose loop never plans again (it is stopping) holds a key's first job at most
+    ``pool_server_wait`` s, however long the rank may wait."""
+    p = fork_pool(tmp_path, server_wait=0.3)
+    p.use(Shape(key=KEY, argv=(sys.executable,), env={}, cwd="/", identity=None), 2)
+    started = time.monotonic()
+    with anyio.fail_after(10):
+        assert await p._server(KEY, wait=30) is None
+    assert 0.3 * 0.9 <= time.monotonic() - started < 5

@@ -216,8 +216,9 @@ class WarmPool:
         start is the import a cold rank would do, once for every rank (docs/pool.md, "A key's first
         job"). So a key whose demand is new waits for the pool's next plan (it spawns the server
         then, or not: the share, a backoff), and a server starting is waited for until it is ready
-        or fails, at most `wait` s from now and ``pool_server_wait`` s from its spawn; then None: cold."""
-        until = time.monotonic() + (wait if self.server_wait > 0 else 0.0)
+        or fails; all at most `wait` and ``pool_server_wait`` s from now, and ``pool_server_wait`` s
+        from the server's spawn; then None: cold."""
+        until = time.monotonic() + min(wait, self.server_wait)
         if self._planned < self._asked.get(key, 0):  # the key's first job: its server is not planned yet
             with anyio.move_on_after(until - time.monotonic()):
                 while self._planned < self._asked.get(key, 0):
