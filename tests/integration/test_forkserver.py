@@ -231,6 +231,28 @@ async def test_back_to_back_jobs_of_a_new_key_go_through_its_server_while_it_sta
     assert_gone(server)
 
 
+def log_text(path: str) -> str:
+    return Path(path).read_text()
+
+
+async def test_a_forked_task_rank_reads_its_own_channel_from_its_command_line(
+    server_daemon: tuple[DaemonProc, int]
+) -> None:
+    """Bug: a forked rank's `sys.argv` was its server's, whose ``--fd`` names the server's channel (closed
+    in the rank): a task that writes to its channel through it (the flood of the adversarial tier)
+    died of EBADF on forked ranks. Now it names the rank's own channel, as a whole pooled
+    interpreter's does, and ``--fork-server`` is gone."""
+    d, server = server_daemon
+    spec = d.spec(task="tests.adversarial.box_tasks:event_flood", nproc=1, steps=3,
+                  options={"joins": 5, "checkpoints": 5})
+    view = await d.run(spec, timeout=SERVER_TIMEOUT)
+    assert view.state == JobState.SUCCEEDED, view.root_cause
+    [rank] = view.ranks
+    assert rank.pid in {int(e["pid"]) for e in d.logs if e.get("event") == "pool.forked"
+                        and e.get("server") == server}
+    assert "FLOODED" in log_text(rank.log)
+
+
 def start_server(fd: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """A fork server whose parent is this process (the daemon's part, played by the test)."""
     return subprocess.Popen([sys.executable, "-m", "ddpd.worker", *worker_args(fd, os.getpid(), fork_server=True)],

@@ -310,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     fd = args.fd
     if args.fork_server:  # forks pooled workers; returns in each of them only, with its channel
         fd = fork_server(args.fd, args.parent, daemon_pgid)
+        from .forkserver import pooled_argv
+
+        sys.argv, sys.orig_argv = pooled_argv(sys.argv, fd), pooled_argv(sys.orig_argv, fd)
     watch_dump_signal()
 
     import torch

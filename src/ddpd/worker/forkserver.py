@@ -43,6 +43,21 @@ EXIT_FORK_FAILED = 72  # the intermediate child: the worker's fork failed
 REPARENT_WAIT_MS = 10_000  # the intermediate exits at once; this only bounds a parent that is not it
 
 
+def pooled_argv(argv: list[str], fd: int) -> list[str]:
+    """The server's command line (`sys.argv`, `sys.orig_argv`) as a forked worker's: its own channel's
+    ``--fd``, and no ``--fork-server``: what a whole pooled interpreter's says (a cold rank's, with
+    ``--pool``), so a task that reads its channel from ``--fd`` finds it."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--fork-server":
+            continue
+        out.append(word)
+        if word == "--fd" and next(words, None) is not None:
+            out.append(str(fd))
+    return out
+
+
 def thread_count() -> int:
     """Threads of this process now (a fork copies only the calling one)."""
     return len(os.listdir("/proc/self/task"))
