@@ -216,7 +216,7 @@ async def test_back_to_back_jobs_of_a_new_key_go_through_its_server_while_it_sta
         # (the daemon's own key has a server too: this job waits only for its own key's)
         waiting = await d.wait_log(lambda e: e.get("event") == "pool.server_waiting", SERVER_TIMEOUT)
         server = int(waiting["server"])
-        assert waiting["job_id"] == first, waiting
+        assert (waiting["job_id"], waiting["attempt"], waiting["rank"]) == (first, 1, 0), waiting  # bound as all
         assert os.sched_getscheduler(server) == os.SCHED_OTHER  # not at idle priority: the job waits for it
         gate.touch()
         with anyio.fail_after(SERVER_TIMEOUT):
@@ -227,6 +227,8 @@ async def test_back_to_back_jobs_of_a_new_key_go_through_its_server_while_it_sta
         assert [[forked.get(r.pid or 0) for r in v.ranks] for v in views] == [[server] * NPROC] * 3
         awaited = [e for e in d.logs if e.get("event") == "pool.server_awaited" and e.get("server") == server]
         assert awaited and all(e["ready"] for e in awaited), awaited
+        taken = [e for e in d.logs if e.get("event") == "pool.forked" and not e.get("spare")]  # by a rank's start
+        assert taken and all({"job_id", "attempt", "rank"} <= e.keys() for e in taken), taken
         assert not [e for e in d.logs if e.get("event") == "pool.refill_held" and e.get("pid") == server]
     assert_gone(server)
 

@@ -114,10 +114,12 @@ class Starter:
         async with self.spawning:
             if self.concluded.is_set():
                 return None
-            h = await self._spawn(local, lost, log_path)
+            job = self.job
+            # what the start logs (the pool's take: a fork, a wait for the key's server) names the rank
+            with bound_contextvars(job_id=job.id, attempt=self.number, rank=self.offset + local):
+                h = await self._spawn(local, lost, log_path)
             if h is None:
                 return None
-            job = self.job
             await self.journal.save_rank(job, h.rank)
             told: dict[str, Any] = {"pooled": True} if h.pooled else {}
             if lost is not None:
