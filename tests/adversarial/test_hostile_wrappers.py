@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -72,6 +73,19 @@ def _stuck_wrapper(base: Path, tag: str) -> Path:
                        f"exec {USER_PYTHON} \"$@\"\n")
     wrapper.chmod(0o755)
     return wrapper
+
+
+async def _job_beside_stuck_member(ann: Identity, d: DaemonProc, wrapper: Path) -> dict[str, Any]:
+    """Ann's first job through her stuck wrapper (a script printing ``ok``): it succeeds, its rank
+    cold; the `pool.worker_spawned` line of the pool member of her key it started (that never says
+    Hello)."""
+    quick = wrapper.parent / "quick.py"
+    quick.write_text("print('ok')\n")
+    job_id = await submit_as(ann, d, script_spec(str(quick), python=str(wrapper)))
+    assert not job_id.startswith("refused"), job_id
+    with anyio.fail_after(TIMEOUT):
+        assert (await d.client.wait(job_id)).state == JobState.SUCCEEDED  # a cold rank runs python
+    return await d.wait_log(lambda e: e.get("event") == "pool.worker_spawned" and e.get("uid") == ann.uid, 60)
 
 
 async def test_interpreter_checks_are_contained_and_one_users_do_not_hold_anothers(
@@ -139,15 +153,9 @@ async def test_a_pool_member_whose_wrapper_never_runs_python_is_retired_with_its
         pytest.skip("cgroup v2 is not writable here: pool members of other users need cgroups")
     tag = f"4{os.getpid() % 1000:03d}.5"  # a `sleep` duration no other process uses
     wrapper = _stuck_wrapper(public_tmp, tag)
-    quick = public_tmp / "quick.py"
-    quick.write_text("print('ok')\n")
     config = f"pool_idle_expiry = 15.0\npool_fork_server = {str(fork_server).lower()}\n"
     async with shared_box(public_tmp, config, "--pool-size", "2") as d:
-        job_id = await submit_as(ann, d, script_spec(str(quick), python=str(wrapper)))
-        assert not job_id.startswith("refused"), job_id
-        with anyio.fail_after(TIMEOUT):
-            assert (await d.client.wait(job_id)).state == JobState.SUCCEEDED  # a cold rank runs python
-        member = await d.wait_log(lambda e: e.get("event") == "pool.worker_spawned" and e.get("uid") == ann.uid, 60)
+        member = await _job_beside_stuck_member(ann, d, wrapper)
         await eventually(lambda: len(processes_with(f"sleep {tag}")) == 2, 30)  # the member and its escapee
         retired = await d.wait_log(lambda e: e.get("event") == "pool.worker_retired"
                                    and e.get("pid") == member["pid"], 60)
@@ -170,15 +178,9 @@ async def test_a_pool_member_not_ready_within_its_start_timeout_is_killed_and_it
         pytest.skip("cgroup v2 is not writable here: pool members of other users need cgroups")
     tag = f"5{os.getpid() % 1000:03d}.5"  # a `sleep` duration no other process uses
     wrapper = _stuck_wrapper(public_tmp, tag)
-    quick = public_tmp / "quick.py"
-    quick.write_text("print('ok')\n")
     config = f"pool_start_timeout = 2.0\npool_fork_server = {str(fork_server).lower()}\n"
     async with shared_box(public_tmp, config, "--pool-size", "2") as d:
-        job_id = await submit_as(ann, d, script_spec(str(quick), python=str(wrapper)))
-        assert not job_id.startswith("refused"), job_id
-        with anyio.fail_after(TIMEOUT):
-            assert (await d.client.wait(job_id)).state == JobState.SUCCEEDED  # a cold rank runs python
-        member = await d.wait_log(lambda e: e.get("event") == "pool.worker_spawned" and e.get("uid") == ann.uid, 60)
+        member = await _job_beside_stuck_member(ann, d, wrapper)
         failed = await d.wait_log(lambda e: e.get("event") == "pool.worker_failed" and e.get("pid") == member["pid"],
                                   60)
         assert failed["reason"] == "not ready within pool_start_timeout (2 s)", failed

@@ -6,8 +6,6 @@ socket pairs stand for the servers; the pool's loop is driven by hand."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import sys
 import time
 from collections import deque
@@ -15,37 +13,25 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
-import anyio.to_thread
 import pytest
+from anyio.abc import TaskGroup
 
 from ddpd.daemon.config import Config
-from ddpd.daemon.pool.channel import WorkerChannel
-from ddpd.daemon.pool.members import ForkServer
 from ddpd.daemon.pool.pool import PoolWorker, WarmPool
-from ddpd.daemon.pool.poolkeys import PoolKey, Shape
+from ddpd.daemon.pool.poolkeys import Shape
+
+from .pool_members import KEY, silent_member
 
 pytestmark = pytest.mark.anyio
 
-KEY = PoolKey.of(0, sys.executable, {})
-
-
-def sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["sleep", "60"])
+SHAPE = Shape(key=KEY, argv=(sys.executable,), env={}, cwd="/", identity=None)  # a job of KEY
 
 
 @pytest.fixture
 async def server() -> AsyncIterator[PoolWorker]:
     """A fork server that has not said Hello yet: a sleeping process, its channel's other end held open."""
-    ours, theirs = socket.socketpair()
-    proc = sleeper()  # (a PoolWorker holds a Popen, as the pool's spawn gives it)
-    w = PoolWorker(proc, WorkerChannel(ours), KEY, {}, server=ForkServer())
-    try:
+    async with silent_member(server=True) as w:
         yield w
-    finally:
-        proc.kill()
-        await anyio.to_thread.run_sync(proc.wait)
-        w.channel.close()
-        theirs.close()
 
 
 def fork_pool(tmp_path: Path, server_wait: float = 10.0) -> WarmPool:
@@ -53,6 +39,19 @@ def fork_pool(tmp_path: Path, server_wait: float = 10.0) -> WarmPool:
                         pool_server_wait=server_wait))
     assert p.fork
     return p
+
+
+async def waiting_rank(tg: TaskGroup, p: WarmPool) -> list[PoolWorker | None]:
+    """A rank's start that may wait 30 s for `KEY`'s server, under way in `tg` until it blocks: what it
+    got, once it has (a list, empty until then)."""
+    got: list[PoolWorker | None] = []
+
+    async def rank() -> None:
+        got.append(await p._server(KEY, wait=30))
+
+    tg.start_soon(rank)
+    await anyio.wait_all_tasks_blocked()
+    return got
 
 
 def starting(p: WarmPool, w: PoolWorker) -> None:
@@ -73,13 +72,8 @@ async def test_a_rank_waits_for_the_keys_starting_server_and_goes_through_it(
 ) -> None:
     p = fork_pool(tmp_path)
     starting(p, server)
-    got: list[PoolWorker | None] = []
     async with anyio.create_task_group() as tg:
-        async def rank() -> None:
-            got.append(await p._server(KEY, wait=30))
-
-        tg.start_soon(rank)
-        await anyio.wait_all_tasks_blocked()
+        got = await waiting_rank(tg, p)
         assert got == []  # waiting for the server, not cold
         ready(p, server)
     assert got == [server]
@@ -90,13 +84,8 @@ async def test_a_server_that_fails_to_start_sends_the_waiting_rank_cold_at_once(
 ) -> None:
     p = fork_pool(tmp_path)
     starting(p, server)
-    got: list[PoolWorker | None] = []
     async with anyio.create_task_group() as tg:
-        async def rank() -> None:
-            got.append(await p._server(KEY, wait=30))
-
-        tg.start_soon(rank)
-        await anyio.wait_all_tasks_blocked()
+        got = await waiting_rank(tg, p)
         started = time.monotonic()
         p._starting.discard(server)  # what `_watch`'s end does: it failed
         assert server.server is not None
@@ -136,19 +125,13 @@ async def test_a_keys_first_job_waits_for_the_plan_that_starts_its_server(
     tmp_path: Path, server: PoolWorker
 ) -> None:
     p = fork_pool(tmp_path)
-    p.use(Shape(key=KEY, argv=(sys.executable,), env={}, cwd="/", identity=None), 2)
-    got: list[PoolWorker | None] = []
+    p.use(SHAPE, 2)
     async with anyio.create_task_group() as tg:
-        async def rank() -> None:
-            got.append(await p._server(KEY, wait=30))
-
-        tg.start_soon(rank)
-        await anyio.wait_all_tasks_blocked()
+        got = await waiting_rank(tg, p)
         assert got == []  # the pool has not planned the key yet: no server to go through, but not cold
-        p._planning += 1  # the pool's next plan starts the server ...
+        p._plans.begin()  # the pool's next plan starts the server ...
         starting(p, server)
-        p._planned = p._planning  # ... and is done
-        p._plan_done.set()
+        p._plans.end()  # ... and is done
         await anyio.wait_all_tasks_blocked()
         assert got == []  # now waiting for the server itself
         ready(p, server)
@@ -157,18 +140,12 @@ async def test_a_keys_first_job_waits_for_the_plan_that_starts_its_server(
 
 async def test_a_key_the_plan_gave_no_server_starts_cold_after_the_plan(tmp_path: Path) -> None:
     p = fork_pool(tmp_path)
-    p.use(Shape(key=KEY, argv=(sys.executable,), env={}, cwd="/", identity=None), 2)
-    got: list[PoolWorker | None] = []
+    p.use(SHAPE, 2)
     async with anyio.create_task_group() as tg:
-        async def rank() -> None:
-            got.append(await p._server(KEY, wait=30))
-
-        tg.start_soon(rank)
-        await anyio.wait_all_tasks_blocked()
+        got = await waiting_rank(tg, p)
         assert got == []
-        p._planning += 1  # a plan that spawns nothing for it (a backoff, the user's share)
-        p._planned = p._planning
-        p._plan_done.set()
+        p._plans.begin()  # a plan that spawns nothing for it (a backoff, the user's share)
+        p._plans.end()
     assert got == [None]
 
 
@@ -189,7 +166,7 @@ async def test_the_wait_for_a_plan_is_bounded_by_pool_server_wait(tmp_path: Path
     """A pool whose loop never plans again (it is stopping) holds a key's first job at most
     ``pool_server_wait`` s, however long the rank may wait."""
     p = fork_pool(tmp_path, server_wait=0.3)
-    p.use(Shape(key=KEY, argv=(sys.executable,), env={}, cwd="/", identity=None), 2)
+    p.use(SHAPE, 2)
     started = time.monotonic()
     with anyio.fail_after(10):
         assert await p._server(KEY, wait=30) is None

@@ -4,44 +4,28 @@ count starts again from when jobs let go. A real process (`sleep`) on a real soc
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
-import anyio.to_thread
 import pytest
 
 from ddpd.daemon.config import Config
-from ddpd.daemon.pool.channel import WorkerChannel
 from ddpd.daemon.pool.pool import PoolWorker, WarmPool
-from ddpd.daemon.pool.poolkeys import PoolKey
+
+from .pool_members import silent_member
 
 pytestmark = pytest.mark.anyio
 
 TIMEOUT = 0.3
 
 
-def sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["sleep", "60"])
-
-
 @pytest.fixture
 async def member() -> AsyncIterator[PoolWorker]:
     """A member that never says Hello: a sleeping process, its channel's other end held open."""
-    ours, theirs = socket.socketpair()
-    proc = sleeper()  # (a PoolWorker holds a Popen, as the pool's spawn gives it)
-    w = PoolWorker(proc, WorkerChannel(ours), PoolKey.of(0, sys.executable, {}), {})
-    try:
+    async with silent_member() as w:
         yield w
-    finally:
-        proc.kill()
-        await anyio.to_thread.run_sync(proc.wait)
-        w.channel.close()
-        theirs.close()
 
 
 def pool(tmp_path: Path, busy: list[int]) -> WarmPool:

@@ -151,6 +151,42 @@ def kill(pid: int) -> None:
         pass
 
 
+class Plans:
+    """The pool's plans (`WarmPool._fill`) by number, for a key's first job: its `use` asks for the
+    first plan to start after it (`ask`: the one under way may have computed its spawns before the
+    key was known), and its ranks `wait` until that plan is done; the key's server is starting
+    then, or none is coming (the user's share, a backoff)."""
+
+    def __init__(self) -> None:
+        self._started = 0
+        self._done = 0
+        self._event = anyio.Event()
+        self._asked: dict[PoolKey, int] = {}
+
+    def ask(self, key: PoolKey) -> None:
+        self._asked[key] = self._started + 1
+
+    def forget(self, key: PoolKey) -> None:
+        self._asked.pop(key, None)
+
+    def begin(self) -> None:
+        self._started += 1
+
+    def end(self) -> None:
+        self._done = self._started
+        self._event.set()
+        self._event = anyio.Event()
+
+    def pending(self, key: PoolKey) -> bool:
+        """Whether the plan `key` asked for is not done yet."""
+        return self._done < self._asked.get(key, 0)
+
+    async def wait(self, key: PoolKey) -> None:
+        """Until the plan `key` asked for is done (the caller bounds it: a stopping pool plans no more)."""
+        while self.pending(key):
+            await self._event.wait()
+
+
 class Spares:
     """Forked workers kept ready per key (``pool_fork_server``): a job's ranks take them at once, and
     the key's server forks the next ones in the background, in milliseconds each (no refill imports

@@ -77,7 +77,7 @@ from ..contain.cgroups import Cgroup, Subtree
 from ..contain.usertree import create_user_file
 from ..layout import POOL_LOG
 from .channel import WorkerChannel
-from .forkserver import Spares, fork_from, kill
+from .forkserver import Plans, Spares, fork_from, kill
 from .members import POOL, ForkServer, ServerSnapshot
 from .members import PoolWorker as PoolWorker  # (where the attempt imports them from)
 from .poolkeys import Claims, Demand, PoolKey, Shape, next_expiry, plan
@@ -118,10 +118,7 @@ class WarmPool:
         self.server_wait = config.pool_server_wait  # from its spawn, a starting server may hold a job's ranks
         self._busy_at = -float("inf")  # when jobs last held cores, as `_yield_to_jobs` saw it
         self._was_busy = False
-        self._planning = 0  # the number of the plan (`_fill`) started last
-        self._planned = 0  # ... and of the one done last
-        self._plan_done = anyio.Event()
-        self._asked: dict[PoolKey, int] = {}  # the plan each key's latest job waits for (fork servers)
+        self._plans = Plans()  # what a key's first job waits for before its server is starting
 
     @property
     def contained(self) -> bool:
@@ -168,12 +165,12 @@ class WarmPool:
         now, known = time.monotonic(), shape.key in self._demand  # a known key's want may drop: claim
         self._claims.claim(shape.key, ranks if known and not self.fork else 0, now)  # (its takes come after)
         self._demand[shape.key] = Demand(shape, ranks, now)
-        if self.fork:  # a plan that starts after now (the one under way may have missed the key)
-            self._asked[shape.key] = self._planning + 1
+        if self.fork:
+            self._plans.ask(shape.key)
         if len(self._demand) > MAX_KEYS:  # the least recently used key goes first
             oldest = min(self._demand, key=lambda k: self._demand[k].last_used)
             del self._demand[oldest]
-            self._asked.pop(oldest, None)
+            self._plans.forget(oldest)
         self._wake.set()
 
     async def take(self, key: PoolKey, wait: float = 0.0) -> PoolWorker | None:
@@ -219,10 +216,9 @@ class WarmPool:
         or fails; all at most `wait` and ``pool_server_wait`` s from now, and ``pool_server_wait`` s
         from the server's spawn; then None: cold."""
         until = time.monotonic() + min(wait, self.server_wait)
-        if self._planned < self._asked.get(key, 0):  # the key's first job: its server is not planned yet
+        if self._plans.pending(key):  # the key's first job: its server is not planned yet
             with anyio.move_on_after(until - time.monotonic()):
-                while self._planned < self._asked.get(key, 0):
-                    await self._plan_done.wait()
+                await self._plans.wait(key)
         if (ready := self._ready_server(key)) is not None:
             return ready
         starting = next((w for w in self._starting if w.key == key and w.server is not None and not w.retired), None)
@@ -263,11 +259,9 @@ class WarmPool:
                 log.info("pool.started", size=self.size, per_key=self.per_key, idle_expiry=self.idle_expiry,
                          log=str(self.log_path), fork_server=self.fork)
                 while True:
-                    self._planning += 1
+                    self._plans.begin()
                     await self._fill(tg)
-                    self._planned = self._planning
-                    self._plan_done.set()
-                    self._plan_done = anyio.Event()
+                    self._plans.end()
                     if self.fork and not self._closing:
                         await self.spares.sync(tg, self._ready, {k: d.ranks for k, d in self._demand.items()})
                     self._yield_to_jobs()
@@ -317,7 +311,7 @@ class WarmPool:
             del self._demand[key]
             self._failures.pop(key, None)
             self._claims.forget(key)
-            self._asked.pop(key, None)
+            self._plans.forget(key)
             log.info("pool.key_expired", key=key.label(), idle=self.idle_expiry)
         # and those still starting of keys no longer wanted, at once: one that never said Hello (a user's wrapper
         # that never execs python) was kept till the daemon stopped, with its core and its cgroup's escapees
